@@ -1,0 +1,165 @@
+"""The LightningModule: a backbone, its stabilizers, the training step and nothing else."""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Any, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from .models import Network, build_backbone, capture_attention
+from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
+from .stabilizers import ForwardStep, build_stabilizers, stabilizer_names
+
+
+class ImageClassifier(L.LightningModule):
+    """Image classification with a ViT / Swin / CSwin backbone and pluggable stabilizers.
+
+    Args:
+        backbone: ``vit``, ``swin`` or ``cswin``.
+        size: preset of the backbone (``micro``, ``tiny``, ``small``).
+        backbone_options: overrides of the preset, e.g. ``{"embed_dim": 32, "depth": 2}``.
+        stabilizer: one name, a list, or ``"a,b"``; ``none`` is the baseline.
+        stabilizer_options: ``{name: {option: value}}`` for the selected stabilizers.
+        num_classes, in_chans, image_size, mean, std: facts of the data (the CLI links
+            them from the data module).
+        optimizer, lr, weight_decay, momentum, betas: the default optimizer (weight decay
+            on weights of ndim ≥ 2 only).
+        scheduler: ``cosine`` (to ``min_lr_ratio`` · lr) or ``constant``, per step.
+        warmup_epochs: linear warmup length in epochs (fractions allowed); 0 turns it off.
+        label_smoothing: of the cross-entropy task loss.
+    """
+
+    def __init__(
+        self,
+        backbone: str = "vit",
+        size: str = "micro",
+        backbone_options: Optional[dict[str, Any]] = None,
+        stabilizer: str | list[str] = "none",
+        stabilizer_options: Optional[dict[str, dict[str, Any]]] = None,
+        num_classes: int = 10,
+        in_chans: int = 1,
+        image_size: int = 8,
+        mean: Sequence[float] = (0.3053,),
+        std: Sequence[float] = (0.3760,),
+        optimizer: OptimizerName = "adamw",
+        lr: float = 2e-3,
+        weight_decay: float = 0.05,
+        momentum: float = 0.9,
+        betas: tuple[float, float] = (0.9, 0.999),
+        scheduler: SchedulerName = "cosine",
+        warmup_epochs: float = 0.0,
+        min_lr_ratio: float = 0.0,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}")
+        self.save_hyperparameters(logger=False)
+        self.stabilizer_names = stabilizer_names(stabilizer)
+        self.stabilizers = build_stabilizers(self.stabilizer_names, stabilizer_options)
+        net = build_backbone(backbone, size, img_size=image_size, in_chans=in_chans, num_classes=num_classes,
+                             **(backbone_options or {}))
+        self.network = Network(net, mean, std)
+        for stab in self.stabilizers:
+            stab.prepare(self.network)
+        self._needs_probs = any(s.needs_attention_probs for s in self.stabilizers)
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    @property
+    def run_name(self) -> str:
+        """``<backbone>/<stabilizers>``: the model's part of the run directory."""
+        return f"{self.hparams.backbone}/{'+'.join(self.stabilizer_names)}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x)
+
+    # ----------------------------------------------------------------- steps
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        recording = capture_attention(self.network.backbone) if self._needs_probs else contextlib.nullcontext([])
+        with recording as probs:
+            logits = self.network(images)
+        task = F.cross_entropy(logits, targets, label_smoothing=self.hparams.label_smoothing)
+        step = ForwardStep(self.network, images, logits, targets, probs, self.global_step)
+        total = task
+        self.log("loss/task", task, on_step=True, on_epoch=True)
+        for stab in self.stabilizers:
+            term = stab.loss(step)
+            if term is not None:
+                total = total + term
+                self.log(f"loss/{stab.name}", term, on_step=True, on_epoch=True)
+        labels = targets.argmax(dim=-1) if targets.ndim == 2 else targets
+        self.train_acc(logits.detach(), labels)
+        self.log("train/loss", total, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
+        return total
+
+    def _evaluate(self, batch, stage: str, metric: MulticlassAccuracy) -> None:
+        images, labels = batch
+        logits = self.network(images)
+        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), prog_bar=True)
+        metric(logits, labels)
+        self.log(f"{stage}/acc", metric, prog_bar=True)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_acc)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_acc)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            metrics = self.trainer.callback_metrics
+            self.log("hp/val_acc", metrics["val/acc"])
+            self.log("hp/val_loss", metrics["val/loss"])
+
+    # --------------------------------------------------------- optimization
+    def configure_optimizers(self):
+        hp = self.hparams
+        default = partial(make_optimizer, name=hp.optimizer, lr=hp.lr, momentum=hp.momentum, betas=hp.betas)
+        supplied = [(s.name, opt) for s in self.stabilizers
+                    if (opt := s.build_optimizer(self.network, default)) is not None]
+        if len(supplied) > 1:
+            raise ValueError(f"stabilizers {[n for n, _ in supplied]} each supply an optimizer; combine at most one")
+        optimizer = supplied[0][1] if supplied else default(param_groups(self.network, hp.weight_decay))
+        total = int(self.trainer.estimated_stepping_batches)
+        epochs = max(1, self.trainer.max_epochs or 1)
+        warmup = round(hp.warmup_epochs * total / epochs)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, partial(lr_factor, total_steps=total, warmup_steps=warmup, schedule=hp.scheduler,
+                               min_ratio=hp.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        for stab in self.stabilizers:
+            stab.after_optimizer_step(self.network)
+
+    # -------------------------------------------------------------- logging
+    def on_fit_start(self) -> None:
+        """Write the hyperparameters to TensorBoard's HParams tab, tied to the final hp/ metrics."""
+        for logger in self.loggers:
+            if isinstance(logger, L.pytorch.loggers.TensorBoardLogger):
+                logger.log_hyperparams(self.hparams_for_logging(), {"hp/val_acc": 0.0, "hp/val_loss": 0.0})
+
+    def hparams_for_logging(self) -> dict[str, Any]:
+        """Flat hyperparameters: the module's, the selected stabilizers' options, the data's."""
+        params = {k: v for k, v in self.hparams.items() if k not in ("stabilizer", "stabilizer_options")}
+        params["stabilizer"] = "+".join(self.stabilizer_names)
+        for stab in self.stabilizers:
+            params.update({f"{stab.name}.{k}": v for k, v in stab.hparams().items()})
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            params.update({f"data.{k}": v for k, v in datamodule.hparams.items()})
+            params["data"] = datamodule.name
+        return params

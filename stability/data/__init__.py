@@ -1,0 +1,7 @@
+"""Data modules: images in [0, 1], integer labels; normalisation happens inside the model."""
+from .base import ImageDataModule
+from .cifar import CIFAR10, CIFAR100
+from .digits import Digits
+from .folder import ImageFolder
+
+__all__ = ["CIFAR10", "CIFAR100", "Digits", "ImageDataModule", "ImageFolder"]

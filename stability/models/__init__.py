@@ -1,0 +1,11 @@
+"""Backbones (ViT, Swin from timm; CSwin ours), the registry, and the uniform view of their parts."""
+from .cswin import CSWinTransformer
+from .network import Network
+from .registry import BUILDERS, PRESETS, build_backbone
+from .view import (AttentionSite, NormSite, ResidualSite, attention_sites, capture_attention, norm_sites,
+                   patch_embed, residual_sites)
+
+__all__ = [
+    "AttentionSite", "BUILDERS", "CSWinTransformer", "Network", "NormSite", "PRESETS", "ResidualSite",
+    "attention_sites", "build_backbone", "capture_attention", "norm_sites", "patch_embed", "residual_sites",
+]

@@ -1,0 +1,28 @@
+"""The network a stabilizer, an attack or a Lipschitz estimate sees: raw pixels in, logits out."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+class Network(nn.Module):
+    """``backbone((x − mean) / std)`` for x in [0, 1].
+
+    Normalisation lives inside the network so that attack budgets and Lipschitz constants
+    are in pixel units. Note that it scales the input→logits Lipschitz constant by 1/min(std).
+    """
+
+    def __init__(self, backbone: nn.Module, mean: Sequence[float], std: Sequence[float]) -> None:
+        super().__init__()
+        if len(mean) != len(std):
+            raise ValueError(f"mean and std need one entry per channel; got {len(mean)} and {len(std)}")
+        if any(s <= 0 for s in std):
+            raise ValueError(f"std must be positive, got {tuple(std)}")
+        self.backbone = backbone
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone((x - self.mean) / self.std)

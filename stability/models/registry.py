@@ -1,0 +1,73 @@
+"""Backbone registry: a name and a size preset pick a model; keyword options override it.
+
+``micro`` presets are sized for CPU runs on small images (the default, digits); ``tiny`` and
+``small`` follow the papers (ViT-Ti/S, Swin-T/S, CSWin-T/S). Any preset value can be
+overridden, e.g. ``build_backbone("swin", "micro", img_size=32, window_size=4)``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from .cswin import CSWinTransformer
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "vit": {
+        "micro": dict(patch_size=2, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0),
+        "tiny": dict(patch_size=4, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0),
+        "small": dict(patch_size=4, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
+    },
+    "swin": {
+        "micro": dict(patch_size=2, embed_dim=32, depths=(2, 2), num_heads=(2, 4), window_size=4, mlp_ratio=2.0),
+        "tiny": dict(patch_size=4, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7),
+        "small": dict(patch_size=4, embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), window_size=7),
+    },
+    "cswin": {
+        "micro": dict(patch_size=2, embed_dim=32, depths=(1, 2, 1), num_heads=(2, 4, 8),
+                      stripe_widths=(2, 2, 2), mlp_ratio=2.0, drop_path_rate=0.0),
+        "tiny": dict(patch_size=4, embed_dim=64, depths=(1, 2, 21, 1), num_heads=(2, 4, 8, 16),
+                     stripe_widths=(1, 2, 7, 7)),
+        "small": dict(patch_size=4, embed_dim=64, depths=(2, 4, 32, 2), num_heads=(2, 4, 8, 16),
+                      stripe_widths=(1, 2, 7, 7)),
+    },
+}
+
+
+def _vit(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.Module:
+    patch = options.get("patch_size")
+    if img_size % patch:
+        raise ValueError(f"vit: patch_size {patch} does not divide the image size {img_size}")
+    return VisionTransformer(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
+
+
+def _swin(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.Module:
+    patch = options.get("patch_size")
+    stages = len(options["depths"])
+    if img_size % patch or (img_size // patch) % 2 ** (stages - 1):
+        raise ValueError(f"swin: img_size {img_size} / patch_size {patch} must be an integer divisible by "
+                         f"{2 ** (stages - 1)} ({stages} stages halve the resolution {stages - 1} times)")
+    return SwinTransformer(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
+
+
+def _cswin(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.Module:
+    return CSWinTransformer(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
+
+
+BUILDERS: dict[str, Callable[..., nn.Module]] = {"vit": _vit, "swin": _swin, "cswin": _cswin}
+
+
+def build_backbone(name: str, size: str = "micro", *, img_size: int, in_chans: int, num_classes: int,
+                   **options: Any) -> nn.Module:
+    """Build backbone ``name`` at preset ``size``; ``options`` override the preset."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BUILDERS)}")
+    if size not in PRESETS[name]:
+        raise ValueError(f"unknown size {size!r} for {name}; choose one of {sorted(PRESETS[name])}")
+    kwargs = {**PRESETS[name][size], **options}
+    try:
+        return BUILDERS[name](img_size, in_chans, num_classes, **kwargs)
+    except TypeError as err:  # an option the model does not take
+        raise ValueError(f"{name}: bad backbone option in {sorted(options)}: {err}") from err

@@ -1,0 +1,171 @@
+"""A uniform view of a backbone's parts, the seams stabilizers and measurements use.
+
+All three backbones (timm's ViT and Swin, our CSwin) follow the same conventions, which
+this module relies on and tests check:
+
+* an attention module has a fused ``qkv`` Linear (D → 3·H·d, rows ordered q | k | v, head by
+  head inside each), an output ``proj`` Linear, ``num_heads``, ``head_dim``, a boolean
+  ``fused_attn`` and an ``attn_drop`` Dropout that receives the attention probabilities
+  P = softmax(logits) whenever ``fused_attn`` is False;
+* a transformer block applies its residual branches through ``drop_path1`` (attention) and
+  ``drop_path2`` (MLP), right before the addition ``x + drop_path(branch(x))``;
+* the patch embedding is ``backbone.patch_embed``.
+
+The fused (flash / SDPA) path stays on unless a caller asks for the probabilities with
+:func:`capture_attention`, which switches it off only for the duration of the ``with``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+QKV_PARTS = ("q", "k", "v")
+
+
+def is_attention(module: nn.Module) -> bool:
+    """True for modules that follow the attention convention above."""
+    return (
+        isinstance(getattr(module, "qkv", None), nn.Linear)
+        and isinstance(getattr(module, "proj", None), nn.Linear)
+        and isinstance(getattr(module, "attn_drop", None), nn.Dropout)
+        and hasattr(module, "num_heads")
+        and hasattr(module, "fused_attn")
+    )
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention module of a backbone."""
+
+    name: str
+    module: nn.Module
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.module.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.module.qkv.out_features // (3 * self.num_heads))
+
+    @property
+    def qkv(self) -> nn.Linear:
+        return self.module.qkv
+
+    @property
+    def proj(self) -> nn.Linear:
+        return self.module.proj
+
+    def head_rows(self, part: str, head: int) -> slice:
+        """Rows of the fused qkv weight that make ``part`` ('q', 'k' or 'v') of ``head``."""
+        if part not in QKV_PARTS:
+            raise ValueError(f"part must be one of {QKV_PARTS}, got {part!r}")
+        if not 0 <= head < self.num_heads:
+            raise ValueError(f"head must be in [0, {self.num_heads}), got {head}")
+        width = self.num_heads * self.head_dim
+        start = QKV_PARTS.index(part) * width + head * self.head_dim
+        return slice(start, start + self.head_dim)
+
+    def head_weight(self, part: str, head: int) -> torch.Tensor:
+        """W_part^head, shape (head_dim, D): a view into qkv.weight, so gradients flow."""
+        return self.qkv.weight[self.head_rows(part, head)]
+
+
+@dataclass(frozen=True)
+class ResidualSite:
+    """A residual branch ``x + block.<attr>(branch(x))``; ``attr`` is drop_path1 or drop_path2."""
+
+    name: str
+    block: nn.Module
+    attr: str
+
+    @property
+    def kind(self) -> str:
+        return "attention" if self.attr == "drop_path1" else "mlp"
+
+    @property
+    def dim(self) -> int:
+        norm = getattr(self.block, "norm1" if self.attr == "drop_path1" else "norm2")
+        return int(norm.normalized_shape[0]) if hasattr(norm, "normalized_shape") else int(norm.dim)
+
+    def scale_branch(self, scale: nn.Module) -> None:
+        """Put ``scale`` on the branch output, before DropPath: x + DropPath(scale(f(x)))."""
+        setattr(self.block, self.attr, nn.Sequential(scale, getattr(self.block, self.attr)))
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """A normalisation layer ``parent.<attr>``, so that it can be swapped for another."""
+
+    name: str
+    parent: nn.Module
+    attr: str
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self.parent, self.attr)
+
+    def replace(self, new: nn.Module) -> None:
+        setattr(self.parent, self.attr, new)
+
+
+def attention_sites(backbone: nn.Module) -> list[AttentionSite]:
+    """All attention modules, in forward order."""
+    return [AttentionSite(name, m) for name, m in backbone.named_modules() if is_attention(m)]
+
+
+def residual_sites(backbone: nn.Module) -> list[ResidualSite]:
+    """Both residual branches (attention, MLP) of every transformer block, in forward order."""
+    sites = []
+    for name, m in backbone.named_modules():
+        if hasattr(m, "drop_path1") and hasattr(m, "drop_path2") and hasattr(m, "attn"):
+            sites += [ResidualSite(f"{name}.{a}", m, a) for a in ("drop_path1", "drop_path2")]
+    return sites
+
+
+def norm_sites(backbone: nn.Module, types: tuple[type, ...] = (nn.LayerNorm,)) -> list[NormSite]:
+    """Every normalisation layer of the given types (LayerNorm by default)."""
+    sites = []
+    for parent_name, parent in backbone.named_modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, types):
+                sites.append(NormSite(f"{parent_name}.{attr}".lstrip("."), parent, attr))
+    return sites
+
+
+def patch_embed(backbone: nn.Module) -> nn.Module:
+    """The patch embedding (image → tokens) of a backbone."""
+    if not hasattr(backbone, "patch_embed"):
+        raise AttributeError(f"{type(backbone).__name__} has no patch_embed")
+    return backbone.patch_embed
+
+
+@contextlib.contextmanager
+def capture_attention(backbone: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Record attention probabilities during the forward passes run inside the block.
+
+    Yields a list that fills, in forward order, with one tensor (B', H, N, N) per attention
+    call: B' is the batch for ViT and batch × windows (Swin) or × stripes (CSwin). Rows sum
+    to one. The fused path is switched off inside the block and restored after it.
+    """
+    probs: list[torch.Tensor] = []
+    saved, handles = [], []
+
+    def record(_module, inputs):
+        probs.append(inputs[0])
+
+    try:
+        for site in attention_sites(backbone):
+            saved.append((site.module, site.module.fused_attn))
+            site.module.fused_attn = False
+            handles.append(site.module.attn_drop.register_forward_pre_hook(record))
+        yield probs
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, fused in saved:
+            module.fused_attn = fused

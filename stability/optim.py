@@ -1,0 +1,44 @@
+"""Optimizers and learning-rate schedules of the training module."""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import nn
+
+OptimizerName = Literal["adamw", "adam", "sgd"]
+SchedulerName = Literal["cosine", "constant"]
+
+
+def param_groups(network: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices and kernels (ndim ≥ 2) only; none on biases, norms, tokens."""
+    decay, no_decay = [], []
+    for name, param in network.named_parameters():
+        if not param.requires_grad:
+            continue
+        skip = param.ndim < 2 or "pos_embed" in name or "cls_token" in name or "relative_position" in name
+        (no_decay if skip else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(groups: list[dict], name: OptimizerName, lr: float, momentum: float,
+                   betas: tuple[float, float]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=betas)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of adamw, adam, sgd")
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: SchedulerName, min_ratio: float) -> float:
+    """Multiplier of the base learning rate at ``step``: linear warmup from 0 over
+    ``warmup_steps`` (none when 0), then constant or cosine decay to ``min_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,71 @@
+"""The stabilizer interface: the hooks the training module calls, and nothing else.
+
+A stabilizer never reaches into the training loop. :class:`~stability.classifier.ImageClassifier`
+calls, for each selected stabilizer, in the order given:
+
+1. ``prepare(network)`` once, when the module is built (before a checkpoint is loaded, so
+   that a changed architecture — CenterNorm, cosine attention, weighted residuals — has
+   the matching state dict), to swap modules or re-initialise weights;
+2. ``loss(step)`` on every training forward pass, returning a term added to the task
+   loss (logged as ``loss/<name>``) or None; ``needs_attention_probs = True`` makes the
+   module record the attention probabilities for it (the fused path stays on otherwise);
+3. ``build_optimizer(network, default)`` once, to supply an optimizer instead of the
+   default one (at most one selected stabilizer may do so);
+4. ``after_optimizer_step(network)`` after every optimizer step, to project weights;
+5. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound, where the
+   method has one (None otherwise — never a made-up number).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ForwardStep:
+    """What one training forward pass produced, handed to :meth:`Stabilizer.loss`."""
+
+    network: nn.Module
+    inputs: torch.Tensor  # (B, C, H, W) in [0, 1]
+    logits: torch.Tensor  # (B, num_classes)
+    targets: torch.Tensor  # (B,) class indices or (B, num_classes) soft labels
+    attention_probs: list[torch.Tensor] = field(default_factory=list)  # each (B', H, N, N)
+    global_step: int = 0
+
+
+class Stabilizer:
+    """Base class: every hook does nothing. Subclasses set ``name`` and override what they need."""
+
+    name: ClassVar[str] = ""
+    needs_attention_probs: ClassVar[bool] = False
+
+    def prepare(self, network: nn.Module) -> None:
+        """Change the network before training (swap layers, re-initialise weights)."""
+
+    def loss(self, step: ForwardStep) -> Optional[torch.Tensor]:
+        """A scalar term added to the task loss, or None."""
+        return None
+
+    def build_optimizer(self, network: nn.Module,
+                        default: Callable[[list], torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
+        """Return an optimizer to use instead of ``default(param_groups)``, or None to keep it."""
+        return None
+
+    def after_optimizer_step(self, network: nn.Module) -> None:
+        """Project weights after each optimizer step."""
+
+    def lipschitz_bound(self, network: nn.Module) -> Optional[float]:
+        """A certified global ℓ2 Lipschitz upper bound of the network, or None where none exists."""
+        return None
+
+    def hparams(self) -> dict:
+        """The options of this stabilizer, for logging (``vars(self)`` of plain values by default)."""
+        return {k: v for k, v in vars(self).items()
+                if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
+        return f"{type(self).__name__}({args})"

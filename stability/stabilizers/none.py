@@ -1,0 +1,10 @@
+"""The plain baseline: the backbone as built, the default optimizer, no extra loss."""
+from __future__ import annotations
+
+from .base import Stabilizer
+
+
+class NoStabilizer(Stabilizer):
+    """``--stabilizer none``: changes nothing, so every comparison has a reference run."""
+
+    name = "none"
