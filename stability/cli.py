@@ -1,0 +1,152 @@
+"""``stability``: LightningCLI with run directories, stabilizers by name, and digits by default.
+
+    stability fit                                   # micro ViT on digits, baseline
+    stability fit --stabilizer none --model.lr 3e-3 --trainer.max_epochs 5 --seed_everything 1
+    stability fit --config configs/vit_digits.yaml
+    stability test --ckpt_path runs/digits/vit/none/version_0/checkpoints/last.ckpt
+
+Stabilizers: ``--stabilizer NAME`` (several: ``a,b`` or a YAML list) selects them; each
+stabilizer's options form a group of their own, ``--NAME.option value`` (``NAME:`` in YAML),
+so switching stabilizer never carries another one's options along; options set for a
+stabilizer that is not selected are an error.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from .classifier import ImageClassifier
+from .data import ImageDataModule
+from .stabilizers import REGISTRY, stabilizer_names
+
+DEFAULT_DATA = "stability.data.Digits"
+LINKED_FROM_DATA = ("num_classes", "in_chans", "image_size", "mean", "std")
+TRAINER_DEFAULTS = {"max_epochs": 30, "log_every_n_steps": 10}
+
+
+def _option_groups() -> dict[str, type]:
+    """Registered stabilizers that take options: each gets a parser group of its own."""
+    return {name: cls for name, cls in REGISTRY.items() if _parameters(cls)}
+
+
+def _parameters(cls: type) -> dict[str, inspect.Parameter]:
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self" and p.kind in named}
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return {k: p.default for k, p in _parameters(cls).items() if p.default is not inspect.Parameter.empty}
+
+
+def selected_options(names: Union[str, list[str]], *groups: Namespace) -> dict[str, dict[str, Any]]:
+    """Options of the selected stabilizers, from their groups; a changed option of an
+    unselected stabilizer is an error (it would otherwise be silently ignored)."""
+    selected = stabilizer_names(names)
+    options = {}
+    for (name, cls), group in zip(_option_groups().items(), groups):
+        values = dict(vars(group)) if group is not None else {}
+        if name in selected:
+            options[name] = values
+        else:
+            changed = {k: v for k, v in values.items() if _defaults(cls).get(k, v) != v}
+            if changed:
+                raise ValueError(f"options {changed} set for stabilizer {name!r}, which is not selected "
+                                 f"(--stabilizer {','.join(selected)}); add it to --stabilizer or drop them")
+    return options
+
+
+def checkpoint_defaults(ckpt_path: str) -> dict[str, Any]:
+    """Parser defaults (dotted keys) that rebuild the model, stabilizers and data of a checkpoint."""
+    import torch
+
+    ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
+    model = {k: v for k, v in ckpt.get("hyper_parameters", {}).items() if not k.startswith("_")}
+    defaults: dict[str, Any] = {}
+    if model:
+        defaults["stabilizer"] = model.pop("stabilizer", "none")
+        for name, options in (model.pop("stabilizer_options", None) or {}).items():
+            defaults.update({f"{name}.{k}": v for k, v in options.items()})
+        for key in LINKED_FROM_DATA:
+            model.pop(key, None)
+        defaults.update({f"model.{k}": v for k, v in model.items()})
+    data = dict(ckpt.get("datamodule_hyper_parameters", {}))
+    if "_class_path" in data:
+        class_path = data.pop("_class_path")
+        defaults["data"] = {"class_path": class_path, "init_args": {k: v for k, v in data.items() if not k.startswith("_")}}
+    return defaults
+
+
+class StabilityCLI(LightningCLI):
+    def __init__(self, args: Optional[list[str]] = None, run: bool = True, **kwargs: Any) -> None:
+        super().__init__(
+            ImageClassifier,
+            ImageDataModule,
+            subclass_mode_data=True,
+            seed_everything_default=0,
+            trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [ModelCheckpoint(save_last=True)]},
+            auto_configure_optimizers=False,  # the module builds its optimizer (stabilizers may supply one)
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"default_env": False},
+            args=args,
+            run=run,
+            **kwargs,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--runs_dir", type=str, default="runs",
+                            help="root of the run directories <runs_dir>/<data>/<backbone>/<stabilizers>/version_N")
+        parser.add_argument("--stabilizer", type=Union[str, list[str]], default="none",
+                            help=f"stabilizer name(s), comma-separated or a list; valid: {sorted(REGISTRY)}")
+        groups = _option_groups()
+        for name, cls in groups.items():
+            parser.add_class_arguments(cls, name, instantiate=False, help=f"options of --stabilizer {name}")
+        parser.link_arguments("stabilizer", "model.stabilizer", compute_fn=stabilizer_names)
+        parser.link_arguments(("stabilizer", *groups), "model.stabilizer_options", compute_fn=selected_options)
+        for key in LINKED_FROM_DATA:
+            parser.link_arguments(f"data.{key}", f"model.{key}", apply_on="instantiate")
+        parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse; with ``--ckpt_path``, parse again with the checkpoint's model, stabilizer and data
+        settings as defaults, so the network is rebuilt as trained and command-line overrides still win."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
+        if not ckpt_path or not Path(ckpt_path).is_file() or isinstance(args, (dict, Namespace)):
+            return
+        self._subcommand_parsers[subcommand].set_defaults(checkpoint_defaults(ckpt_path))
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Done in :meth:`parse_arguments` instead (Lightning's version lets the checkpoint override the CLI)."""
+
+    def instantiate_trainer(self, **kwargs: Any):
+        """Default logger: TensorBoard under <runs_dir>/<data>/<backbone>/<stabilizers>/version_N."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.trainer.get("logger") is None and "logger" not in kwargs:
+            kwargs["logger"] = TensorBoardLogger(
+                save_dir=config.runs_dir, name=f"{self.datamodule.name}/{self.model.run_name}",
+                default_hp_metric=False)
+        return super().instantiate_trainer(**kwargs)
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    try:
+        StabilityCLI(args=args)
+    except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
+        if os.environ.get("STABILITY_TRACEBACK"):
+            raise
+        print(f"stability: error: {err}\n(set STABILITY_TRACEBACK=1 to see where it was raised)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
