@@ -61,6 +61,7 @@ class ImageClassifier(L.LightningModule):
             raise ValueError(f"lr must be positive, got {lr}")
         if warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}")
+        mean, std, betas = list(mean), list(std), list(betas)  # plain YAML in hparams.yaml
         self.save_hyperparameters(logger=False)
         self.stabilizer_names = stabilizer_names(stabilizer)
         self.stabilizers = build_stabilizers(self.stabilizer_names, stabilizer_options)

@@ -111,7 +111,8 @@ class StabilityCLI(LightningCLI):
         parser.link_arguments("stabilizer", "model.stabilizer", compute_fn=stabilizer_names)
         parser.link_arguments(("stabilizer", *groups), "model.stabilizer_options", compute_fn=selected_options)
         for key in LINKED_FROM_DATA:
-            parser.link_arguments(f"data.{key}", f"model.{key}", apply_on="instantiate")
+            as_list = list if key in ("mean", "std") else None  # plain YAML lists in hparams, not tuples
+            parser.link_arguments(f"data.{key}", f"model.{key}", compute_fn=as_list, apply_on="instantiate")
         parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:

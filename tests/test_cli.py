@@ -1,0 +1,139 @@
+"""The `stability` command as a user runs it: fit, configs, overrides, errors, test on a checkpoint."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from stability.cli import main
+from stability.stabilizers import REGISTRY
+from test_stabilizers import Recorder
+
+QUICK = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+SMALL_VIT = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]
+
+
+def scalars(run_dir: Path, tag: str) -> list[float]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
+def console_script() -> list[str]:
+    exe = shutil.which("stability", path=str(Path(sys.executable).parent)) or shutil.which("stability")
+    return [exe] if exe else [sys.executable, "-m", "stability"]
+
+
+def test_fit_through_the_console_script_learns_and_logs_to_tensorboard(tmp_path):
+    cmd = console_script() + ["fit", *QUICK, "--trainer.max_epochs", "4", "--data.batch_size", "16",
+                              "--model.scheduler", "constant", "--model.lr", "3e-3"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "digits" / "vit" / "none" / "version_0"
+    assert list(run.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    accuracy = scalars(run, "val/acc")
+    assert len(accuracy) == 4 and accuracy[-1] > 0.5, accuracy  # chance is 0.1
+    assert scalars(run, "hp/val_acc")[-1] == pytest.approx(accuracy[-1])
+    assert b"_hparams_/session_start_info" in next(run.glob("events.out.tfevents.*")).read_bytes()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["stabilizer"] == "none" and saved["data"]["class_path"] == "stability.data.Digits"
+
+    test = subprocess.run(console_script() + ["test", *QUICK, "--ckpt_path", str(run / "checkpoints" / "last.ckpt")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert test.returncode == 0, test.stderr[-3000:]
+    assert "test/acc" in test.stdout
+
+
+def print_config(capsys, *args) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_config_file_and_dotted_overrides(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  backbone: swin\n  lr: 1.0e-3\ntrainer:\n  max_epochs: 7\n"
+                      "data:\n  class_path: stability.data.Digits\n  init_args:\n    image_size: 16\n")
+    printed = print_config(capsys, "--config", str(config), "--model.lr", "3e-3", "--seed_everything", "1")
+    assert printed["model"]["backbone"] == "swin" and printed["model"]["lr"] == 3e-3
+    assert printed["trainer"]["max_epochs"] == 7 and printed["seed_everything"] == 1
+    assert printed["data"]["init_args"]["image_size"] == 16
+    default = print_config(capsys)
+    assert default["stabilizer"] == "none" and default["trainer"]["max_epochs"] == 30
+
+
+@pytest.mark.parametrize("name", ["vit_digits", "swin_digits", "cswin_digits", "vit_cifar10", "swin_cifar10",
+                                  "cswin_cifar10"])
+def test_shipped_configs_parse(name, capsys):
+    config = Path(__file__).parents[1] / "configs" / f"{name}.yaml"
+    printed = print_config(capsys, "--config", str(config))
+    assert printed["model"]["backbone"] == name.split("_")[0]
+
+
+def test_unknown_stabilizer_lists_the_valid_names(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--stabilizer", "jasmine"])
+    assert exit_info.value.code == 2
+    assert "unknown stabilizer 'jasmine'; valid names: ['none'" in capsys.readouterr().err
+
+
+def test_stabilizer_options_live_in_their_own_group_and_never_carry_over(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(REGISTRY, "recorder", Recorder)
+    printed = print_config(capsys, "--stabilizer", "recorder", "--recorder.weight", "0.5")
+    assert printed["stabilizer"] == "recorder" and printed["recorder"] == {"weight": 0.5, "bound": 3.0}
+    # a config that set recorder's option, then a sweep switching to another stabilizer: refused, not carried
+    config = tmp_path / "recorder.yaml"
+    config.write_text("stabilizer: recorder\nrecorder:\n  weight: 0.5\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--stabilizer", "none"])
+    assert exit_info.value.code == 2
+    assert "set for stabilizer 'recorder', which is not selected" in capsys.readouterr().err
+
+
+def test_stabilizer_options_reach_the_model_and_the_checkpoint(monkeypatch, tmp_path):
+    monkeypatch.setitem(REGISTRY, "recorder", Recorder)
+    os.chdir(tmp_path)
+    main(["fit", *QUICK, *SMALL_VIT, "--stabilizer", "recorder", "--recorder.weight", "0.25",
+          "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"])
+    run = tmp_path / "runs" / "digits" / "vit" / "recorder" / "version_0"
+    assert scalars(run, "loss/recorder_epoch")
+    logged = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert logged["stabilizer"] == "recorder" and logged["recorder.weight"] == 0.25
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert saved["stabilizer"] == ["recorder"] and saved["stabilizer_options"]["recorder"]["weight"] == 0.25
+
+
+def test_same_seed_same_numbers(tmp_path):
+    os.chdir(tmp_path)
+    losses = []
+    for runs_dir in ("a", "a", "b"):
+        seed = "3" if runs_dir == "a" else "4"
+        main(["fit", *QUICK, *SMALL_VIT, "--runs_dir", runs_dir, "--seed_everything", seed,
+              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2"])
+        version = len(list((tmp_path / runs_dir / "digits" / "vit" / "none").iterdir())) - 1
+        losses.append(scalars(tmp_path / runs_dir / "digits" / "vit" / "none" / f"version_{version}", "val/loss"))
+    assert losses[0] == losses[1]
+    assert losses[0] != losses[2]
+
+
+@pytest.mark.parametrize("backbone", ["swin", "cswin"])
+def test_fit_runs_every_backbone(backbone, tmp_path):
+    os.chdir(tmp_path)
+    main(["fit", *QUICK, "--model.backbone", backbone, "--data.image_size", "16", "--trainer.max_epochs", "1",
+          "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"])
+    assert list((tmp_path / "runs" / "digits" / backbone / "none" / "version_0").glob("events.out.tfevents.*"))
+
+
+def test_missing_cifar_data_is_a_clear_error(tmp_path, capsys):
+    os.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *QUICK, "--data", "CIFAR10", "--data.root", str(tmp_path / "data")])
+    assert exit_info.value.code == 2
+    assert "--data.download true" in capsys.readouterr().err

@@ -1,0 +1,30 @@
+"""Learning-rate schedule and weight-decay groups."""
+import math
+
+import pytest
+import torch
+
+from stability.optim import lr_factor, make_optimizer, param_groups
+
+
+def test_warmup_then_cosine_to_min_ratio():
+    factors = [lr_factor(s, total_steps=110, warmup_steps=10, schedule="cosine", min_ratio=0.1) for s in range(111)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == pytest.approx(1.0)
+    assert factors[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert factors[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+
+
+def test_no_warmup_and_constant():
+    assert lr_factor(0, 100, 0, "cosine", 0.0) == pytest.approx(1.0)
+    assert [lr_factor(s, 100, 0, "constant", 0.0) for s in (0, 50, 99)] == [1.0, 1.0, 1.0]
+
+
+def test_weight_decay_only_on_matrices():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = param_groups(net, 0.05)
+    assert [p.shape for p in decay["params"]] == [(4, 3)] and decay["weight_decay"] == 0.05
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        make_optimizer([decay, no_decay], "lion", 1e-3, 0.9, (0.9, 0.999))
