@@ -118,6 +118,11 @@ class ImageClassifier(L.LightningModule):
     def test_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_acc)
 
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """Class probabilities (B, num_classes) of the images of a batch."""
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self.network(images).softmax(dim=-1)
+
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
             metrics = self.trainer.callback_metrics

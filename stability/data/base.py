@@ -82,6 +82,9 @@ class ImageDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, shuffle=False)
 
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
     # ------------------------------------------------------------ augmentation
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         trainer = getattr(self, "trainer", None)

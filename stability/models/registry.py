@@ -49,7 +49,11 @@ def _swin(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.
     if img_size % patch or (img_size // patch) % 2 ** (stages - 1):
         raise ValueError(f"swin: img_size {img_size} / patch_size {patch} must be an integer divisible by "
                          f"{2 ** (stages - 1)} ({stages} stages halve the resolution {stages - 1} times)")
-    return SwinTransformer(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
+    model = SwinTransformer(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
+    for module in model.modules():  # timm leaves Swin's fused SDPA path off ("experimental"); it is exact
+        if hasattr(module, "fused_attn") and hasattr(module, "relative_position_bias_table"):
+            module.fused_attn = True
+    return model
 
 
 def _cswin(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.Module:
