@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .base import ForwardStep, Stabilizer
+from .jasmin import JaSMin
 from .none import NoStabilizer
+from .specformer import Specformer
+from .spectral_norm import SpectralNorm
 
-REGISTRY: dict[str, type[Stabilizer]] = {cls.name: cls for cls in (NoStabilizer,)}
+REGISTRY: dict[str, type[Stabilizer]] = {cls.name: cls for cls in (NoStabilizer, JaSMin, Specformer, SpectralNorm)}
 
 
 def stabilizer_names(spec: str | Sequence[str]) -> list[str]:
@@ -46,4 +49,4 @@ def build_stabilizers(spec: str | Sequence[str], options: dict[str, dict[str, An
     return stabilizers
 
 
-__all__ = ["ForwardStep", "NoStabilizer", "REGISTRY", "Stabilizer", "build_stabilizers", "stabilizer_names"]
+__all__ = ["ForwardStep", "JaSMin", "NoStabilizer", "Specformer", "SpectralNorm", "REGISTRY", "Stabilizer", "build_stabilizers", "stabilizer_names"]

@@ -40,7 +40,7 @@ class Stabilizer:
     """Base class: every hook does nothing. Subclasses set ``name`` and override what they need."""
 
     name: ClassVar[str] = ""
-    needs_attention_probs: ClassVar[bool] = False
+    needs_attention_probs: bool = False  # a class or an instance attribute
 
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""

@@ -1,0 +1,1 @@
+"""Lipschitz building blocks and the spectral / softmax maths the stabilizers share."""

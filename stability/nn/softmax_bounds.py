@@ -1,0 +1,34 @@
+"""Bounds on the softmax Jacobian from the JaSMin paper (Yudin et al. 2025).
+
+For a probability vector x with order statistics x₍₁₎ ≥ x₍₂₎ ≥ … ≥ x₍ₙ₎ and x₍ₙ₊₁₎ = 0,
+
+    g_k(x) = x₍ₖ₎ · (1 − x₍ₖ₎ + x₍ₖ₊₁₎)                                   (JaSMin, Theorem 4)
+
+bounds the singular values of M(x) = diag(x) − x xᵀ, the Jacobian of softmax at output x:
+x₍₁₎ ≥ g₁ ≥ σ₁ ≥ x₍₂₎ ≥ g₂ ≥ σ₂ ≥ … In particular ‖J_softmax‖₂ ≤ g₁(x) ≤ 1/2.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def top_probabilities(p: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` largest entries along the last dim, descending, zero-padded if n < count."""
+    n = p.shape[-1]
+    top = p.topk(min(count, n), dim=-1).values
+    return F.pad(top, (0, count - top.shape[-1])) if count > n else top
+
+
+def g_k(p: torch.Tensor, k: int) -> torch.Tensor:
+    """g_k of each row of ``p`` (last dim a probability vector), k ≥ 1; differentiable."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    top = top_probabilities(p, k + 1)
+    x_k, x_next = top[..., k - 1], top[..., k]
+    return x_k * (1.0 - x_k + x_next)
+
+
+def softmax_jacobian(p: torch.Tensor) -> torch.Tensor:
+    """M(p) = diag(p) − p pᵀ, shape (..., n, n): the Jacobian of softmax at output p."""
+    return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)

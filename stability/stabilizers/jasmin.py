@@ -1,0 +1,70 @@
+"""JaSMin: regularise the softmax Jacobian of every attention row (Yudin et al. 2025).
+
+    k = 0:  L = Σ_{l,h} R_i log g₁(P_i^{l,h})
+    k > 1:  L = Σ_{l,h} R_i log( g₁(P_i^{l,h}) / (g_k(P_i^{l,h}) + ε) )
+
+with R_i the max (or mean) over the rows i of an image's attention map, summed over layers l
+and heads h, averaged over the batch, and added to the task loss as λ·L (JaSMin, Sec. 4;
+restated in METHODS.md §2). For Swin and CSwin the rows of all windows / stripes of an image
+count as the rows of that image's map. g₁ bounds ‖J_softmax(P_i)‖₂ (Theorem 4), so lowering it
+lowers the local Lipschitz bound of each head (Theorem 3).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+from ..nn.softmax_bounds import g_k
+from .base import ForwardStep, Stabilizer
+
+
+class JaSMin(Stabilizer):
+    """``--stabilizer jasmin``.
+
+    Args:
+        lam: λ, the weight of the regulariser (0 disables it and keeps the fused attention path).
+        k: 0 for the bound variant (log g₁), or k > 1 for the ratio variant log(g₁/(g_k + ε)).
+        reduction: ``max`` or ``mean`` over the rows of each attention map.
+        eps: ε of the ratio variant, and the floor of g₁ inside the log.
+    """
+
+    name = "jasmin"
+
+    def __init__(self, lam: float = 1e-3, k: int = 0, reduction: Literal["max", "mean"] = "mean",
+                 eps: float = 1e-6) -> None:
+        if lam < 0:
+            raise ValueError(f"jasmin: lam must be >= 0, got {lam}")
+        if k == 1 or k < 0:
+            raise ValueError(f"jasmin: k must be 0 (log g1) or > 1 (log g1/g_k), got {k}")
+        if reduction not in ("max", "mean"):
+            raise ValueError(f"jasmin: reduction must be 'max' or 'mean', got {reduction!r}")
+        if eps <= 0:
+            raise ValueError(f"jasmin: eps must be > 0, got {eps}")
+        self.lam, self.k, self.reduction, self.eps = lam, k, reduction, eps
+        self.needs_attention_probs = lam > 0
+
+    def row_scores(self, probs: torch.Tensor) -> torch.Tensor:
+        """log g₁ or log(g₁/(g_k+ε)) of every row: (B', H, N, N) → (B', H, N)."""
+        g1 = g_k(probs, 1).clamp_min(self.eps)
+        if self.k == 0:
+            return g1.log()
+        return (g1 / (g_k(probs, self.k) + self.eps)).log()
+
+    def regulariser(self, attention_probs: list[torch.Tensor], batch_size: int) -> torch.Tensor:
+        """L_JaSMin (without λ) from the attention maps of one forward pass."""
+        total = 0.0
+        for probs in attention_probs:
+            scores = self.row_scores(probs)  # (B·windows, H, N)
+            windows, heads = scores.shape[0] // batch_size, scores.shape[1]
+            rows = scores.view(batch_size, windows, heads, -1).transpose(1, 2).reshape(batch_size, heads, -1)
+            reduced = rows.amax(-1) if self.reduction == "max" else rows.mean(-1)  # (B, H)
+            total = total + reduced.sum(-1).mean()
+        return total
+
+    def loss(self, step: ForwardStep) -> Optional[torch.Tensor]:
+        if self.lam == 0:
+            return None
+        if not step.attention_probs:
+            raise RuntimeError("jasmin: no attention probabilities were recorded for this forward pass")
+        return self.lam * self.regulariser(step.attention_probs, step.inputs.shape[0])

@@ -1,0 +1,103 @@
+"""Specformer: penalise the spectral norms of the query, key and value projections
+(Hu et al., ECCV 2024; METHODS.md §3).
+
+    L = Σ_blocks [λ_Q Σ_h σ₁(W_Q^h)² + λ_K Σ_h σ₁(W_K^h)² + λ_V Σ_h σ₁(W_V^h)²]
+
+σ₁ by power iteration: one step per training step, under no_grad, on persistent vectors u, v
+(buffers of each attention module, so they are in the state dict and in checkpoints), then
+σ = uᵀ W v with the gradient of W only.
+
+Heads: by default W^h is the true per-head projection, a block of d output rows of the fused
+qkv weight. ``blocks="columns"`` slices the part's (H·d × D) weight into H column blocks of
+D/H input columns instead, as the reference code does. Both bound σ₁ of the whole W_part.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import attention_sites
+from ..nn.spectral import power_iteration, sigma_from_vectors
+from .base import ForwardStep, Stabilizer
+
+PARTS = ("q", "k", "v")
+
+
+def head_blocks(qkv_weight: torch.Tensor, part: str, heads: int, blocks: str) -> torch.Tensor:
+    """The per-head matrices of ``part`` as one (H, m, n) tensor (a view of the weight)."""
+    width = qkv_weight.shape[0] // 3
+    w = qkv_weight[PARTS.index(part) * width:(PARTS.index(part) + 1) * width]  # (H·d, D)
+    if blocks == "rows":
+        return w.view(heads, width // heads, w.shape[1])
+    d_in = w.shape[1]
+    if d_in % heads:
+        raise ValueError(f"specformer: blocks='columns' needs D={d_in} divisible by heads={heads}")
+    return w.view(width, heads, d_in // heads).transpose(0, 1)  # (H, H·d, D/H)
+
+
+class Specformer(Stabilizer):
+    """``--stabilizer specformer``.
+
+    Args:
+        lam_q, lam_k, lam_v: λ of each projection (0 skips it).
+        blocks: ``rows`` (true per-head projections, default) or ``columns`` (reference code).
+        iterations: power-iteration steps per training step (the paper: 1).
+    """
+
+    name = "specformer"
+
+    def __init__(self, lam_q: float = 1e-5, lam_k: float = 1e-5, lam_v: float = 1e-5,
+                 blocks: Literal["rows", "columns"] = "rows", iterations: int = 1) -> None:
+        for label, lam in (("lam_q", lam_q), ("lam_k", lam_k), ("lam_v", lam_v)):
+            if lam < 0:
+                raise ValueError(f"specformer: {label} must be >= 0, got {lam}")
+        if blocks not in ("rows", "columns"):
+            raise ValueError(f"specformer: blocks must be 'rows' or 'columns', got {blocks!r}")
+        if iterations < 1:
+            raise ValueError(f"specformer: iterations must be >= 1, got {iterations}")
+        self.lam_q, self.lam_k, self.lam_v = lam_q, lam_k, lam_v
+        self.blocks, self.iterations = blocks, iterations
+
+    def _lams(self) -> dict[str, float]:
+        return {p: lam for p, lam in zip(PARTS, (self.lam_q, self.lam_k, self.lam_v)) if lam > 0}
+
+    def prepare(self, network: nn.Module) -> None:
+        sites = attention_sites(network)
+        if not sites:
+            raise ValueError("specformer: the network has no attention module with a fused qkv projection")
+        generator = torch.Generator().manual_seed(0)
+        for site in sites:
+            for part in PARTS:
+                w = head_blocks(site.qkv.weight, part, site.num_heads, self.blocks)
+                u = F.normalize(torch.randn(w.shape[:2], generator=generator), dim=-1)
+                v = F.normalize(torch.randn(w.shape[0], w.shape[2], generator=generator), dim=-1)
+                site.module.register_buffer(f"specformer_u_{part}", u)
+                site.module.register_buffer(f"specformer_v_{part}", v)
+
+    def sigmas(self, network: nn.Module, update: bool = True) -> dict[str, list[torch.Tensor]]:
+        """σ₁ estimates per part: a list (one per attention module) of (H,) tensors with gradient.
+
+        ``update`` runs the power iteration first (once per training step)."""
+        out: dict[str, list[torch.Tensor]] = {p: [] for p in PARTS}
+        for site in attention_sites(network):
+            for part in PARTS:
+                w = head_blocks(site.qkv.weight, part, site.num_heads, self.blocks)
+                u, v = getattr(site.module, f"specformer_u_{part}"), getattr(site.module, f"specformer_v_{part}")
+                if update:
+                    u_new, v_new = power_iteration(w.detach(), u, v, self.iterations)
+                    u.copy_(u_new), v.copy_(v_new)
+                out[part].append(sigma_from_vectors(w, u, v))
+        return out
+
+    def penalty(self, network: nn.Module, update: bool = True) -> torch.Tensor:
+        lams = self._lams()
+        sigmas = self.sigmas(network, update)
+        return sum(lam * sum(s.pow(2).sum() for s in sigmas[part]) for part, lam in lams.items())
+
+    def loss(self, step: ForwardStep) -> Optional[torch.Tensor]:
+        if not self._lams():
+            return None
+        return self.penalty(step.network)

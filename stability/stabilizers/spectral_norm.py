@@ -1,0 +1,92 @@
+"""Spectral normalisation: keep chosen Linear weights at σ₁ ≤ σ_max (Miyato et al. 2018).
+
+Two ways, chosen with ``mode``:
+
+* ``parametrize``: W_eff = σ_max · W / σ̂(W) through
+  ``torch.nn.utils.parametrizations.spectral_norm`` (σ̂ by one power iteration per training
+  forward, on persistent vectors). The effective weight has σ₁ = σ_max (up to the power
+  iteration's error), not merely ≤; the raw parameter is unconstrained.
+* ``project``: after every optimizer step, W ← W / max(1, σ₁(W)/σ_max) with the exact σ₁
+  (SVD). The parameter itself satisfies σ₁ ≤ σ_max at every step; weights already below the
+  cap are left alone.
+
+``layers`` picks the weights: ``all`` (every Linear of the backbone, the classifier head
+included), ``attention`` (qkv and output projections) or ``mlp``. Convolutions (patch
+embedding, CSwin's LePE and merges) are not touched: the σ₁ of a reshaped kernel is not a
+convolution's operator norm.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm as torch_spectral_norm
+
+from ..models import attention_sites
+from ..nn.spectral import spectral_norm as exact_sigma
+from .base import Stabilizer
+
+
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.factor * weight
+
+
+def chosen_linears(network: nn.Module, layers: str) -> list[nn.Linear]:
+    """The Linear layers that ``layers`` (all / attention / mlp) selects."""
+    if layers == "all":
+        return [m for m in network.modules() if isinstance(m, nn.Linear)]
+    if layers == "attention":
+        return [lin for site in attention_sites(network) for lin in (site.qkv, site.proj)]
+    if layers == "mlp":
+        return [m for name, mod in network.named_modules() if name.endswith("mlp")
+                for m in mod.modules() if isinstance(m, nn.Linear)]
+    raise ValueError(f"spectral_norm: layers must be 'all', 'attention' or 'mlp', got {layers!r}")
+
+
+class SpectralNorm(Stabilizer):
+    """``--stabilizer spectral_norm``.
+
+    Args:
+        sigma_max: the cap on σ₁ (spectral norm, ℓ2→ℓ2).
+        mode: ``project`` (after each step, exact) or ``parametrize`` (torch's spectral_norm).
+        layers: ``all``, ``attention`` or ``mlp``.
+    """
+
+    name = "spectral_norm"
+
+    def __init__(self, sigma_max: float = 1.0, mode: Literal["project", "parametrize"] = "project",
+                 layers: Literal["all", "attention", "mlp"] = "all") -> None:
+        if sigma_max <= 0:
+            raise ValueError(f"spectral_norm: sigma_max must be > 0, got {sigma_max}")
+        if mode not in ("project", "parametrize"):
+            raise ValueError(f"spectral_norm: mode must be 'project' or 'parametrize', got {mode!r}")
+        chosen_linears(nn.Module(), layers)  # validates the name
+        self.sigma_max, self.mode, self.layers = sigma_max, mode, layers
+
+    def prepare(self, network: nn.Module) -> None:
+        linears = chosen_linears(network, self.layers)
+        if not linears:
+            raise ValueError(f"spectral_norm: no Linear layers selected by layers={self.layers!r}")
+        if self.mode == "parametrize":
+            for linear in linears:
+                torch_spectral_norm(linear)
+                if self.sigma_max != 1.0:
+                    parametrize.register_parametrization(linear, "weight", _Scale(self.sigma_max))
+        else:
+            self.after_optimizer_step(network)
+
+    @torch.no_grad()
+    def after_optimizer_step(self, network: nn.Module) -> None:
+        if self.mode != "project":
+            return
+        for linear in chosen_linears(network, self.layers):
+            sigma = exact_sigma(linear.weight.float())
+            if sigma > self.sigma_max:
+                linear.weight.mul_(self.sigma_max / sigma)

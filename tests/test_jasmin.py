@@ -1,0 +1,98 @@
+"""JaSMin: g_k against the exact softmax-Jacobian spectrum (Theorem 4) and the regulariser."""
+import pytest
+import torch
+
+from stability.models import attention_sites, build_backbone, capture_attention
+from stability.nn.softmax_bounds import g_k, softmax_jacobian
+from stability.stabilizers import JaSMin
+
+
+def random_distributions(n_rows=200, n=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    temperatures = torch.logspace(-1, 1.5, n_rows, dtype=torch.float64)[:, None]
+    return torch.softmax(torch.randn(n_rows, n, generator=gen, dtype=torch.float64) * temperatures, dim=-1)
+
+
+def adversarial_distributions(n=12):
+    """Two-peak vectors (a, b, rest spread), where σ₁ of M(p) approaches its maximum 1/2."""
+    rows = []
+    for a in torch.linspace(0.05, 0.95, 19, dtype=torch.float64):
+        for rest in (0.0, 1e-3, 0.05):
+            b = (1 - a) - rest
+            p = torch.zeros(n, dtype=torch.float64)
+            p[0], p[1], p[2:] = a, b, rest / (n - 2)
+            rows.append(p)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("make", [random_distributions, adversarial_distributions])
+def test_g1_bounds_the_exact_softmax_jacobian_norm(make):
+    p = make()
+    exact = torch.linalg.matrix_norm(softmax_jacobian(p), ord=2)
+    g1 = g_k(p, 1)
+    assert (g1 >= exact - 1e-12).all()
+    assert (g1 <= 0.5 + 1e-12).all()
+
+
+def test_g1_special_values():
+    assert float(g_k(torch.tensor([0.5, 0.5, 0.0, 0.0]), 1)) == pytest.approx(0.5)
+    assert float(g_k(torch.tensor([0.0, 1.0, 0.0]), 1)) == 0.0
+    assert float(g_k(torch.tensor([0.2, 0.7, 0.1]), 1)) == pytest.approx(0.7 * (1 - 0.7 + 0.2))
+
+
+def test_interlacing_chain_of_theorem_4():
+    p = torch.cat([random_distributions(100, 8, seed=1), adversarial_distributions(8)])
+    sigma = torch.linalg.svdvals(softmax_jacobian(p))  # descending
+    order = p.sort(dim=-1, descending=True).values
+    n = p.shape[-1]
+    for k in range(1, n):
+        gk = g_k(p, k)
+        tol = 1e-12
+        assert (order[:, k - 1] >= gk - tol).all()       # x_(k) ≥ g_k
+        assert (gk >= sigma[:, k - 1] - tol).all()        # g_k ≥ σ_k
+        assert (sigma[:, k - 1] >= order[:, k] - tol).all()  # σ_k ≥ x_(k+1)
+    assert sigma[:, -1].abs().max() < 1e-12  # σ_n = 0
+
+
+def test_g_k_pads_short_rows():
+    p = torch.tensor([[0.6, 0.4]])
+    assert float(g_k(p, 2)) == pytest.approx(0.4 * (1 - 0.4 + 0.0))
+
+
+def naive_regulariser(probs_list, batch, k, reduction, eps):
+    total = 0.0
+    for probs in probs_list:
+        windows = probs.shape[0] // batch
+        for b in range(batch):
+            for h in range(probs.shape[1]):
+                rows = probs[b * windows:(b + 1) * windows, h].reshape(-1, probs.shape[-1])
+                values = []
+                for row in rows:
+                    g1 = max(float(g_k(row, 1)), eps)
+                    values.append(torch.tensor(g1).log() if k == 0
+                                  else torch.tensor(g1 / (float(g_k(row, k)) + eps)).log())
+                values = torch.stack(values)
+                total += float(values.max() if reduction == "max" else values.mean()) / batch
+    return total
+
+
+@pytest.mark.parametrize("backbone", ["vit", "swin", "cswin"])
+@pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (3, "mean"), (3, "max")])
+def test_regulariser_matches_a_naive_loop(backbone, k, reduction):
+    options = {"vit": dict(embed_dim=16, depth=1, num_heads=2),
+               "swin": dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2), window_size=2),
+               "cswin": dict(embed_dim=16, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2))}[backbone]
+    net = build_backbone(backbone, img_size=8, in_chans=1, num_classes=3, **options)
+    with capture_attention(net) as probs:
+        net(torch.rand(3, 1, 8, 8))
+    jasmin = JaSMin(lam=1.0, k=k, reduction=reduction)
+    got = float(jasmin.regulariser(probs, 3))
+    assert got == pytest.approx(naive_regulariser(probs, 3, k, reduction, jasmin.eps), rel=1e-5, abs=1e-6)
+
+
+def test_lambda_zero_keeps_the_fused_path_and_bad_options_fail():
+    assert JaSMin(lam=0).needs_attention_probs is False and JaSMin(lam=1e-3).needs_attention_probs is True
+    with pytest.raises(ValueError, match="k must be 0"):
+        JaSMin(k=1)
+    with pytest.raises(ValueError, match="reduction must be 'max' or 'mean'"):
+        JaSMin(reduction="sum")

@@ -1,0 +1,58 @@
+"""Spectral normalisation: both modes keep σ₁ at or below σ_max, checked by exact SVD."""
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.stabilizers import SpectralNorm
+from stability.stabilizers.spectral_norm import chosen_linears
+
+VIT = dict(embed_dim=16, depth=1, num_heads=2)
+
+
+def max_sigma(network, layers="all"):
+    return max(float(torch.linalg.matrix_norm(lin.weight.detach(), ord=2)) for lin in chosen_linears(network, layers))
+
+
+@pytest.mark.parametrize("layers", ["all", "attention", "mlp"])
+def test_project_caps_every_chosen_weight_and_leaves_small_ones(layers):
+    module = ImageClassifier(backbone_options=VIT, stabilizer="spectral_norm",
+                             stabilizer_options={"spectral_norm": {"sigma_max": 0.5, "layers": layers}})
+    assert max_sigma(module.network, layers) <= 0.5 + 1e-5
+    stab = module.stabilizers[0]
+    with torch.no_grad():
+        for lin in chosen_linears(module.network, layers):
+            lin.weight.mul_(100.0)
+    small = chosen_linears(module.network, layers)[0]
+    with torch.no_grad():
+        small.weight.mul_(0.01)
+    before = small.weight.clone()
+    stab.after_optimizer_step(module.network)
+    assert max_sigma(module.network, layers) <= 0.5 + 1e-5
+    assert torch.equal(small.weight, before)  # below the cap: untouched
+    capped = chosen_linears(module.network, layers)[-1]
+    assert float(torch.linalg.matrix_norm(capped.weight.detach(), ord=2)) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_parametrize_sets_sigma_to_sigma_max_and_checkpoints_reload():
+    options = {"spectral_norm": {"sigma_max": 2.0, "mode": "parametrize"}}
+    module = ImageClassifier(backbone_options=VIT, stabilizer="spectral_norm", stabilizer_options=options)
+    module.train()
+    for _ in range(50):  # torch's spectral_norm refines u, v on each training forward
+        module.network(torch.rand(2, 1, 8, 8))
+    module.eval()
+    for lin in chosen_linears(module.network, "all"):
+        assert float(torch.linalg.matrix_norm(lin.weight, ord=2)) == pytest.approx(2.0, rel=1e-3)
+    again = ImageClassifier(backbone_options=VIT, stabilizer="spectral_norm", stabilizer_options=options)
+    again.load_state_dict(module.state_dict())
+    again.eval()
+    x = torch.rand(2, 1, 8, 8)
+    torch.testing.assert_close(again(x), module(x))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="sigma_max must be > 0"):
+        SpectralNorm(sigma_max=0)
+    with pytest.raises(ValueError, match="layers must be 'all', 'attention' or 'mlp'"):
+        SpectralNorm(layers="heads")
+    with pytest.raises(ValueError, match="mode must be 'project' or 'parametrize'"):
+        SpectralNorm(mode="clip")
