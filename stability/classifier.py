@@ -67,7 +67,7 @@ class ImageClassifier(L.LightningModule):
         self.stabilizers = build_stabilizers(self.stabilizer_names, stabilizer_options)
         net = build_backbone(backbone, size, img_size=image_size, in_chans=in_chans, num_classes=num_classes,
                              **(backbone_options or {}))
-        self.network = Network(net, mean, std)
+        self.network = Network(net, mean, std, image_size)
         for stab in self.stabilizers:
             stab.prepare(self.network)
         self._needs_probs = any(s.needs_attention_probs for s in self.stabilizers)

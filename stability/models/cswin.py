@@ -55,6 +55,7 @@ class CrossShapedAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.resolution = resolution
         self.fused_attn = True
+        self.kernel: nn.Module | None = None
         if stripe_width is None or stripe_width >= resolution:
             self.stripes = [(resolution, resolution)]  # global attention
         else:
@@ -95,7 +96,9 @@ class CrossShapedAttention(nn.Module):
         n, cb = q.shape[1:]
         pos = lepe(v.transpose(1, 2).reshape(-1, cb, sh, sw)).flatten(2).transpose(1, 2)  # (B·nW, N, C')
         q, k, v = (t.view(-1, n, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B·nW, h, N, d)
-        if self.fused_attn:
+        if self.kernel is not None:  # a replacement attention kernel, e.g. LipsFormer's cosine attention
+            out = self.kernel(q, k, v, None, self.attn_drop, self.fused_attn)
+        elif self.fused_attn:
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
         else:

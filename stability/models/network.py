@@ -14,13 +14,15 @@ class Network(nn.Module):
     are in pixel units. Note that it scales the input→logits Lipschitz constant by 1/min(std).
     """
 
-    def __init__(self, backbone: nn.Module, mean: Sequence[float], std: Sequence[float]) -> None:
+    def __init__(self, backbone: nn.Module, mean: Sequence[float], std: Sequence[float],
+                 image_size: int | None = None) -> None:
         super().__init__()
         if len(mean) != len(std):
             raise ValueError(f"mean and std need one entry per channel; got {len(mean)} and {len(std)}")
         if any(s <= 0 for s in std):
             raise ValueError(f"std must be positive, got {tuple(std)}")
         self.backbone = backbone
+        self.image_size = image_size  # side of the square inputs, for layers that need the input shape
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
 

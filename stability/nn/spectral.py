@@ -35,3 +35,44 @@ def spectral_norm(weight: torch.Tensor) -> torch.Tensor:
 def rms_scale(weight: torch.Tensor) -> float:
     """sqrt(d_in / d_out): multiply σ₁ by it for the RMS→RMS norm."""
     return (weight.shape[-1] / weight.shape[-2]) ** 0.5
+
+
+def conv_operator_norm(conv: torch.nn.Conv2d, input_shape: tuple[int, ...], iterations: int = 50,
+                       seed: int = 0) -> float:
+    """σ₁ of the linear map x ↦ conv(x) (bias excluded) on inputs of ``input_shape`` (C, H, W),
+    by power iteration on JᵀJ with vector–Jacobian products. Not σ₁ of the reshaped kernel."""
+    weight = conv.weight.detach()
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+    x = torch.randn(1, *input_shape, generator=torch.Generator().manual_seed(seed)).to(weight)
+    x = x / x.norm()
+    with torch.enable_grad():
+        for _ in range(iterations):
+            x.requires_grad_(True)
+            y = apply(x)
+            (grad,) = torch.autograd.grad(y, x, grad_outputs=y)  # JᵀJx
+            x = (grad / grad.norm()).detach()
+    with torch.no_grad():
+        return float(apply(x).norm())
+
+
+@torch.no_grad()
+def spectral_init_(module: torch.nn.Module, conv_input_shapes: dict[torch.nn.Module, tuple] | None = None) -> None:
+    """LipsFormer's spectral initialisation: Xavier-normal, then divide by σ₁ so that σ₁ = 1.
+
+    Linear weights use σ₁ of the matrix; conv kernels σ₁ of the kernel reshaped to
+    (out, in·kh·kw) as the reference code does, or, for convs in ``conv_input_shapes``, the true
+    operator norm on inputs of that shape."""
+    conv_input_shapes = conv_input_shapes or {}
+    for m in module.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+            torch.nn.init.xavier_normal_(m.weight)
+            if m.bias is not None:
+                torch.nn.init.zeros_(m.bias)
+            if isinstance(m, torch.nn.Conv2d) and m in conv_input_shapes:
+                sigma = conv_operator_norm(m, conv_input_shapes[m])
+            else:
+                sigma = float(spectral_norm(m.weight.reshape(m.weight.shape[0], -1)))
+            m.weight.div_(sigma)

@@ -6,11 +6,12 @@ from typing import Any, Sequence
 
 from .base import ForwardStep, Stabilizer
 from .jasmin import JaSMin
+from .lipsformer import LipsFormer
 from .none import NoStabilizer
 from .specformer import Specformer
 from .spectral_norm import SpectralNorm
 
-REGISTRY: dict[str, type[Stabilizer]] = {cls.name: cls for cls in (NoStabilizer, JaSMin, Specformer, SpectralNorm)}
+REGISTRY: dict[str, type[Stabilizer]] = {cls.name: cls for cls in (NoStabilizer, LipsFormer, JaSMin, Specformer, SpectralNorm)}
 
 
 def stabilizer_names(spec: str | Sequence[str]) -> list[str]:
@@ -49,4 +50,4 @@ def build_stabilizers(spec: str | Sequence[str], options: dict[str, dict[str, An
     return stabilizers
 
 
-__all__ = ["ForwardStep", "JaSMin", "NoStabilizer", "Specformer", "SpectralNorm", "REGISTRY", "Stabilizer", "build_stabilizers", "stabilizer_names"]
+__all__ = ["ForwardStep", "JaSMin", "LipsFormer", "NoStabilizer", "Specformer", "SpectralNorm", "REGISTRY", "Stabilizer", "build_stabilizers", "stabilizer_names"]

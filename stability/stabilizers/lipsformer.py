@@ -1,0 +1,128 @@
+"""LipsFormer components (Qi et al. 2023; METHODS.md §1), each switchable for the ablations:
+
+* ``center_norm``: CenterNorm in place of every LayerNorm (Lipschitz D/(D−1)·max|γ|);
+* ``attention="cosine"``: scaled cosine similarity attention (ε > 0, τ, ν, V normalised,
+  1/K head scaling; ``learn_scales=False, normalize_v=False, head_scale=False`` is the reference
+  code's variant); ``"dot"`` keeps the backbone's dot-product attention;
+* ``weighted_residual``: x + α ⊙ f(x) with a learnable per-channel α, initialised to ``alpha``
+  or, when None, to 1/L for L transformer blocks;
+* ``spectral_init``: Xavier-normal then divide by σ₁ (reshaped conv kernels, or the true conv
+  operator norm with ``conv_operator_norm``);
+* ``drop_path``: stochastic depth rising linearly to this rate over the blocks (0 leaves the
+  backbone's own).
+
+The backbones keep their pre-norm layout, x + α·f(CN(x)); the paper's extra depthwise-conv
+branch (CMT-style) is not added. Warmup on/off is the training module's ``warmup_epochs``.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from timm.layers import Attention as TimmAttention
+from timm.layers import DropPath
+from timm.models.swin_transformer import WindowAttention
+from torch import nn
+
+from ..models import attention_sites, norm_sites, residual_sites
+from ..models.cswin import CrossShapedAttention
+from ..nn.center_norm import CenterNorm
+from ..nn.cosine_attention import CosineAttention, CosineWindowAttention, ScaledCosineKernel
+from ..nn.spectral import spectral_init_
+from .base import Stabilizer
+
+
+class ResidualScale(nn.Module):
+    """α ⊙ x with a learnable per-channel α (LipsFormer's weighted residual shortcut)."""
+
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * x
+
+
+def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+
+
+class LipsFormer(Stabilizer):
+    """``--stabilizer lipsformer``; every component can be switched on or off on its own."""
+
+    name = "lipsformer"
+
+    def __init__(self, center_norm: bool = True, attention: Literal["cosine", "dot"] = "cosine",
+                 tau: float = 10.0, nu: float = 1.0, eps: float = 1e-6, learn_scales: bool = True,
+                 normalize_v: bool = True, head_scale: bool = True, weighted_residual: bool = True,
+                 alpha: Optional[float] = None, spectral_init: bool = True, conv_operator_norm: bool = False,
+                 drop_path: float = 0.0) -> None:
+        if attention not in ("cosine", "dot"):
+            raise ValueError(f"lipsformer: attention must be 'cosine' or 'dot', got {attention!r}")
+        if eps <= 0:
+            raise ValueError(f"lipsformer: eps must be > 0 (eps = 0 has no Lipschitz bound), got {eps}")
+        if not 0 <= drop_path < 1:
+            raise ValueError(f"lipsformer: drop_path must be in [0, 1), got {drop_path}")
+        self.center_norm, self.attention = center_norm, attention
+        self.tau, self.nu, self.eps = tau, nu, eps
+        self.learn_scales, self.normalize_v, self.head_scale = learn_scales, normalize_v, head_scale
+        self.weighted_residual, self.alpha = weighted_residual, alpha
+        self.spectral_init, self.conv_operator_norm = spectral_init, conv_operator_norm
+        self.drop_path = drop_path
+
+    def prepare(self, network: nn.Module) -> None:
+        backbone = network.backbone if hasattr(network, "backbone") else network
+        if self.center_norm:
+            for site in norm_sites(backbone):
+                site.replace(CenterNorm(site.module.normalized_shape[0]))
+        if self.attention == "cosine":
+            for site in attention_sites(backbone):
+                self._use_cosine_attention(backbone, site.name, site.module)
+        residuals = residual_sites(backbone)
+        blocks = len(residuals) // 2
+        if self.drop_path > 0:
+            for i, site in enumerate(residuals):
+                rate = self.drop_path * (i // 2) / max(1, blocks - 1)
+                setattr(site.block, site.attr, DropPath(rate) if rate > 0 else nn.Identity())
+        if self.weighted_residual:
+            init = 1.0 / blocks if self.alpha is None else self.alpha
+            for site in residuals:
+                site.scale_branch(ResidualScale(site.dim, init))
+        if self.spectral_init:
+            spectral_init_(backbone, self._conv_input_shapes(network) if self.conv_operator_norm else None)
+
+    def _kernel(self, heads: int) -> ScaledCosineKernel:
+        return ScaledCosineKernel(heads, self.tau, self.nu, self.eps, self.normalize_v, self.learn_scales,
+                                  self.head_scale)
+
+    def _use_cosine_attention(self, backbone: nn.Module, name: str, module: nn.Module) -> None:
+        if isinstance(module, CrossShapedAttention):
+            module.kernel = self._kernel(module.num_heads)
+        elif isinstance(module, WindowAttention):
+            replace_submodule(backbone, name, CosineWindowAttention(module, self._kernel(module.num_heads)))
+        elif isinstance(module, TimmAttention):
+            replace_submodule(backbone, name, CosineAttention(module, self._kernel(module.num_heads)))
+        else:
+            raise ValueError(f"lipsformer: cosine attention has no replacement for {type(module).__name__}; "
+                             f"use attention='dot' or one of the vit / swin / cswin backbones")
+
+    @staticmethod
+    def _conv_input_shapes(network: nn.Module) -> dict[nn.Module, tuple]:
+        """Input shape (C, H, W) of every Conv2d, from one forward pass at the network's image size."""
+        size = getattr(network, "image_size", None)
+        if size is None:
+            raise ValueError("lipsformer: conv_operator_norm needs the network's image_size")
+        in_chans = network.mean.shape[1]
+        shapes, handles = {}, []
+        for m in network.modules():
+            if isinstance(m, nn.Conv2d):
+                handles.append(m.register_forward_pre_hook(
+                    lambda mod, args: shapes.__setitem__(mod, tuple(args[0].shape[1:]))))
+        try:
+            with torch.no_grad():
+                network(torch.zeros(1, in_chans, size, size))
+        finally:
+            for h in handles:
+                h.remove()
+        return shapes

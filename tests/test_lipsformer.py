@@ -1,0 +1,134 @@
+"""LipsFormer components against their theorems: CenterNorm's exact Lipschitz constant, SCSA
+below Theorem 1's bound (exact Jacobians by torch.func), spectral init σ₁ = 1 by SVD."""
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention as TimmAttention
+from torch import nn
+from torch.func import jacrev
+
+from stability.classifier import ImageClassifier
+from stability.models import attention_sites, norm_sites, residual_sites
+from stability.nn.center_norm import CenterNorm
+from stability.nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
+from stability.nn.spectral import conv_operator_norm, spectral_init_
+from stability.stabilizers import LipsFormer
+
+VIT = dict(embed_dim=16, depth=2, num_heads=2)
+
+
+@pytest.mark.parametrize("dim", [2, 5, 16])
+@pytest.mark.parametrize("gamma", [1.0, -0.3, 2.5])
+def test_center_norm_jacobian_norm_is_d_over_d_minus_1_times_gamma(dim, gamma):
+    norm = CenterNorm(dim).double()
+    with torch.no_grad():
+        norm.weight.fill_(gamma)
+        norm.bias.normal_()
+    x = torch.randn(dim, dtype=torch.float64)
+    jac = jacrev(norm)(x)
+    exact = float(torch.linalg.matrix_norm(jac, ord=2))
+    assert exact == pytest.approx(dim / (dim - 1) * abs(gamma), rel=1e-10)
+    assert norm.lipschitz() == pytest.approx(exact, rel=1e-10)
+    torch.testing.assert_close(jacrev(norm)(torch.randn(dim, dtype=torch.float64)), jac)  # constant Jacobian
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_center_norm_bound_holds_for_unequal_gamma(seed):
+    gen = torch.Generator().manual_seed(seed)
+    norm = CenterNorm(8).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8, generator=gen, dtype=torch.float64) * 2)
+    exact = float(torch.linalg.matrix_norm(jacrev(norm)(torch.randn(8, dtype=torch.float64)), ord=2))
+    assert exact <= norm.lipschitz() * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scsa_jacobian_is_below_theorem_1(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, d_model, d_head, tau, nu, eps = 5, 6, 4, 3.0, 0.7, 1e-2
+    w_q, w_k, w_v = (torch.randn(d_head, d_model, generator=gen, dtype=torch.float64) for _ in range(3))
+    kernel = ScaledCosineKernel(1, tau, nu, eps, normalize_v=True).double()
+    drop = nn.Dropout(0.0)
+
+    def head(x):  # (N, D) → (N, d)
+        q, k, v = (x @ w.T for w in (w_q, w_k, w_v))
+        return kernel(q[None, None], k[None, None], v[None, None], None, drop, fused=False)[0, 0]
+
+    bound = scsa_lipschitz_bound(n, tau, nu, eps, *(float(torch.linalg.matrix_norm(w, ord=2)) for w in (w_q, w_k, w_v)))
+    for scale in (0.01, 0.1, 1.0, 10.0):  # small inputs sit near the ε-region where the Jacobian is largest
+        x = scale * torch.randn(n, d_model, generator=gen, dtype=torch.float64)
+        jac = jacrev(head)(x).reshape(n * d_head, n * d_model)
+        exact = float(torch.linalg.matrix_norm(jac, ord=2))
+        assert torch.isfinite(torch.tensor(exact)) and exact <= bound
+
+
+def test_kernel_fused_and_explicit_paths_agree_and_eps_must_be_positive():
+    kernel = ScaledCosineKernel(2, tau=4.0, nu=0.5, eps=1e-3)
+    q, k, v = (torch.randn(3, 2, 7, 4) for _ in range(3))
+    bias = torch.randn(1, 2, 7, 7)
+    torch.testing.assert_close(kernel(q, k, v, bias, nn.Dropout(0.0), True), kernel(q, k, v, bias, nn.Dropout(0.0), False))
+    with pytest.raises(ValueError, match="eps > 0"):
+        ScaledCosineKernel(2, eps=0.0)
+
+
+def test_spectral_init_gives_unit_sigma_by_svd():
+    net = nn.Sequential(nn.Linear(7, 5), nn.Conv2d(3, 4, 3), nn.Linear(5, 9))
+    spectral_init_(net)
+    for m in net:
+        assert float(torch.linalg.matrix_norm(m.weight.reshape(m.weight.shape[0], -1), ord=2)) == pytest.approx(1.0, rel=1e-5)
+
+
+def exact_conv_norm(conv, shape):
+    def apply(x):
+        return F.conv2d(x[None], conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)[0]
+    jac = jacrev(apply)(torch.zeros(shape, dtype=conv.weight.dtype))
+    return float(torch.linalg.matrix_norm(jac.reshape(-1, int(torch.tensor(shape).prod())), ord=2))
+
+
+def test_conv_operator_norm_differs_from_reshaped_sigma_and_matches_the_exact_jacobian():
+    conv = nn.Conv2d(4, 4, 7, padding=3, groups=4).double()
+    with torch.no_grad():
+        conv.weight.div_(torch.linalg.matrix_norm(conv.weight.reshape(4, -1), ord=2))
+    shape = (4, 8, 8)
+    exact = exact_conv_norm(conv, shape)
+    assert conv_operator_norm(conv, shape, iterations=200) == pytest.approx(exact, rel=1e-4)
+    assert exact > 1.05  # a depthwise kernel with reshaped σ = 1 is not a 1-Lipschitz convolution
+    spectral_init_(conv, {conv: shape})
+    assert exact_conv_norm(conv, shape) == pytest.approx(1.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("backbone,size", [("vit", 8), ("swin", 16), ("cswin", 16)])
+def test_every_component_lands_in_every_backbone(backbone, size):
+    module = ImageClassifier(backbone=backbone, image_size=size, stabilizer="lipsformer")
+    net = module.network.backbone
+    assert not norm_sites(net) and any(isinstance(m, CenterNorm) for m in net.modules())
+    assert all(isinstance(getattr(s.module, "kernel", None), ScaledCosineKernel) for s in attention_sites(net))
+    sites = residual_sites(net)
+    alphas = [getattr(s.block, s.attr)[0].alpha for s in sites]
+    assert all(torch.allclose(a, torch.full_like(a, 1 / (len(sites) // 2))) for a in alphas)
+    for m in net.modules():
+        if isinstance(m, nn.Linear):
+            assert float(torch.linalg.matrix_norm(m.weight, ord=2)) == pytest.approx(1.0, rel=1e-4)
+    assert module(torch.rand(2, 1, size, size)).shape == (2, 10)
+
+
+def test_components_switch_off_one_by_one():
+    plain = ImageClassifier(backbone_options=VIT, stabilizer="lipsformer", stabilizer_options={"lipsformer": dict(
+        center_norm=False, attention="dot", weighted_residual=False, spectral_init=False)})
+    net = plain.network.backbone
+    assert norm_sites(net) and all(isinstance(s.module, TimmAttention) for s in attention_sites(net))
+    assert all(isinstance(getattr(s.block, s.attr), nn.Identity) for s in residual_sites(net))
+    reference = ImageClassifier(backbone_options=VIT, stabilizer="lipsformer", stabilizer_options={"lipsformer": dict(
+        learn_scales=False, normalize_v=False, head_scale=False, tau=10.0, alpha=0.2, drop_path=0.2)})
+    kernel = attention_sites(reference.network.backbone)[0].module.kernel
+    assert not isinstance(kernel.tau, nn.Parameter) and kernel.normalize_v is False and kernel.head_factor == 1.0
+    sites = residual_sites(reference.network.backbone)
+    assert float(getattr(sites[0].block, sites[0].attr)[0].alpha[0]) == pytest.approx(0.2)
+    assert getattr(sites[-1].block, sites[-1].attr)[1].drop_prob == pytest.approx(0.2)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="attention must be 'cosine' or 'dot'"):
+        LipsFormer(attention="linear")
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        LipsFormer(eps=0)
