@@ -132,12 +132,15 @@ class ImageClassifier(L.LightningModule):
     # --------------------------------------------------------- optimization
     def configure_optimizers(self):
         hp = self.hparams
-        default = partial(make_optimizer, name=hp.optimizer, lr=hp.lr, momentum=hp.momentum, betas=hp.betas)
+        def default(named_parameters):
+            return make_optimizer(param_groups(named_parameters, hp.weight_decay), hp.optimizer, hp.lr,
+                                  hp.momentum, hp.betas)
+
         supplied = [(s.name, opt) for s in self.stabilizers
                     if (opt := s.build_optimizer(self.network, default)) is not None]
         if len(supplied) > 1:
             raise ValueError(f"stabilizers {[n for n, _ in supplied]} each supply an optimizer; combine at most one")
-        optimizer = supplied[0][1] if supplied else default(param_groups(self.network, hp.weight_decay))
+        optimizer = supplied[0][1] if supplied else default(self.network.named_parameters())
         total = int(self.trainer.estimated_stepping_batches)
         epochs = max(1, self.trainer.max_epochs or 1)
         warmup = round(hp.warmup_epochs * total / epochs)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Iterable, Literal
 
 import torch
 from torch import nn
@@ -11,10 +11,10 @@ OptimizerName = Literal["adamw", "adam", "sgd"]
 SchedulerName = Literal["cosine", "constant"]
 
 
-def param_groups(network: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """Weight decay on matrices and kernels (ndim ≥ 2) only; none on biases, norms, tokens."""
     decay, no_decay = [], []
-    for name, param in network.named_parameters():
+    for name, param in named_parameters:
         if not param.requires_grad:
             continue
         skip = param.ndim < 2 or "pos_embed" in name or "cls_token" in name or "relative_position" in name

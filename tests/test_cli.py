@@ -81,7 +81,7 @@ def test_unknown_stabilizer_lists_the_valid_names(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--stabilizer", "jasmine"])
     assert exit_info.value.code == 2
-    assert "unknown stabilizer 'jasmine'; valid names: ['none'" in capsys.readouterr().err
+    assert "unknown stabilizer 'jasmine'; valid names: ['jasmin', 'lipsformer', 'muon', 'none', 'specformer'" in capsys.readouterr().err
 
 
 def test_stabilizer_options_live_in_their_own_group_and_never_carry_over(monkeypatch, tmp_path, capsys):

@@ -23,7 +23,7 @@ def test_no_warmup_and_constant():
 
 def test_weight_decay_only_on_matrices():
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
-    decay, no_decay = param_groups(net, 0.05)
+    decay, no_decay = param_groups(net.named_parameters(), 0.05)
     assert [p.shape for p in decay["params"]] == [(4, 3)] and decay["weight_decay"] == 0.05
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):

@@ -7,11 +7,12 @@ from typing import Any, Sequence
 from .base import ForwardStep, Stabilizer
 from .jasmin import JaSMin
 from .lipsformer import LipsFormer
+from .muon import MuonConstrained
 from .none import NoStabilizer
 from .specformer import Specformer
 from .spectral_norm import SpectralNorm
 
-REGISTRY: dict[str, type[Stabilizer]] = {cls.name: cls for cls in (NoStabilizer, LipsFormer, JaSMin, Specformer, SpectralNorm)}
+REGISTRY: dict[str, type[Stabilizer]] = {cls.name: cls for cls in (NoStabilizer, LipsFormer, JaSMin, Specformer, SpectralNorm, MuonConstrained)}
 
 
 def stabilizer_names(spec: str | Sequence[str]) -> list[str]:
@@ -50,4 +51,4 @@ def build_stabilizers(spec: str | Sequence[str], options: dict[str, dict[str, An
     return stabilizers
 
 
-__all__ = ["ForwardStep", "JaSMin", "LipsFormer", "NoStabilizer", "Specformer", "SpectralNorm", "REGISTRY", "Stabilizer", "build_stabilizers", "stabilizer_names"]
+__all__ = ["ForwardStep", "JaSMin", "LipsFormer", "MuonConstrained", "NoStabilizer", "Specformer", "SpectralNorm", "REGISTRY", "Stabilizer", "build_stabilizers", "stabilizer_names"]

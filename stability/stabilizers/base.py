@@ -10,7 +10,8 @@ calls, for each selected stabilizer, in the order given:
    loss (logged as ``loss/<name>``) or None; ``needs_attention_probs = True`` makes the
    module record the attention probabilities for it (the fused path stays on otherwise);
 3. ``build_optimizer(network, default)`` once, to supply an optimizer instead of the
-   default one (at most one selected stabilizer may do so);
+   default one (at most one selected stabilizer may do so); ``default(named_parameters)``
+   builds the module's default optimizer, with its settings, over the parameters given;
 4. ``after_optimizer_step(network)`` after every optimizer step, to project weights;
 5. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound, where the
    method has one (None otherwise — never a made-up number).
@@ -18,7 +19,7 @@ calls, for each selected stabilizer, in the order given:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional
+from typing import Callable, ClassVar, Iterable, Optional
 
 import torch
 from torch import nn
@@ -49,9 +50,9 @@ class Stabilizer:
         """A scalar term added to the task loss, or None."""
         return None
 
-    def build_optimizer(self, network: nn.Module,
-                        default: Callable[[list], torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
-        """Return an optimizer to use instead of ``default(param_groups)``, or None to keep it."""
+    def build_optimizer(self, network: nn.Module, default: Callable[[Iterable[tuple[str, nn.Parameter]]],
+                                                                     torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
+        """Return an optimizer to use instead of ``default(network.named_parameters())``, or None."""
         return None
 
     def after_optimizer_step(self, network: nn.Module) -> None:

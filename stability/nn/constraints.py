@@ -1,0 +1,78 @@
+"""Weight constraints of "Training Transformers with Enforced Lipschitz Constants"
+(Newhouse et al. 2025; METHODS.md §4), applied after every optimizer step.
+
+All act on M = sqrt(d_in/d_out)·W, whose spectral norm is the RMS→RMS norm of W, and take a
+target σ_max in those units. Each returns the new W.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .spectral import rms_scale
+
+
+def msign(matrix: torch.Tensor) -> torch.Tensor:
+    """Matrix sign U Vᵀ of M = U Σ Vᵀ (exact, by SVD; zero singular values map to zero)."""
+    u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    keep = (s > s.max() * 1e-12).to(matrix.dtype) if s.numel() else s
+    return (u * keep.unsqueeze(-2)) @ vh
+
+
+def hard_cap(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
+    """Spectral hard cap, W ↦ U·min(Σ, β)·Vᵀ in RMS units, by the msign formula
+    cap(M; β) = ½[β f(M) + M − f(βI − f(M)Mᵀ)(β f(M) − M)], f = msign."""
+    scale = rms_scale(weight)
+    m = weight * scale
+    f = msign(m)
+    eye = torch.eye(m.shape[-2], dtype=m.dtype, device=m.device)
+    capped = 0.5 * (sigma_max * f + m - msign(sigma_max * eye - f @ m.mT) @ (sigma_max * f - m))
+    return capped / scale
+
+
+def soft_cap_alpha(k: float, sigma_max: float) -> float:
+    """Smallest α ≥ 0 with p_α(k) = σ_max, i.e. root of −k⁹α⁴ + 3k⁷α³ − 3k⁵α² + (k − σ_max) = 0.
+
+    k bounds the norm a weight can reach in one step; 0 when k ≤ σ_max (nothing to cap)."""
+    if k <= sigma_max:
+        return 0.0
+    roots = np.roots([-k ** 9, 3 * k ** 7, -3 * k ** 5, 0.0, k - sigma_max])
+    real = sorted(r.real for r in roots if abs(r.imag) < 1e-9 * max(1.0, abs(r)) and r.real >= 0)
+    if not real:
+        raise ValueError(f"soft cap: no real α ≥ 0 for k={k}, sigma_max={sigma_max}")
+    return float(real[0])
+
+
+def soft_cap(weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """M ← M(I − αMᵀM), then M ← M(I + αMᵀM): σ ↦ σ − 3α²σ⁵ + 3α³σ⁷ − α⁴σ⁹ (matmuls only)."""
+    if alpha == 0:
+        return weight
+    scale = rms_scale(weight)
+    m = weight * scale
+    m = m - alpha * m @ (m.mT @ m)
+    m = m + alpha * m @ (m.mT @ m)
+    return m / scale
+
+
+def soft_cap_polynomial(sigma: torch.Tensor, alpha: float) -> torch.Tensor:
+    return sigma - 3 * alpha ** 2 * sigma ** 5 + 3 * alpha ** 3 * sigma ** 7 - alpha ** 4 * sigma ** 9
+
+
+def hammer(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
+    """Spectral hammer: W ← W + (σ_max − σ₁) u₁v₁ᵀ in RMS units, when σ₁ > σ_max (sets σ₁ to σ_max)."""
+    scale = rms_scale(weight)
+    u, s, vh = torch.linalg.svd(weight * scale, full_matrices=False)
+    if s[0] <= sigma_max:
+        return weight
+    return weight + (sigma_max - s[0]) * torch.outer(u[:, 0], vh[0]) / scale
+
+
+def normalise(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
+    """Spectral normalisation: W ← W / max(1, ‖W‖_RMS / σ_max)."""
+    norm = float(torch.linalg.matrix_norm(weight, ord=2)) * rms_scale(weight)
+    return weight / max(1.0, norm / sigma_max)
+
+
+def rms_norm(weight: torch.Tensor) -> float:
+    """‖W‖_RMS→RMS = sqrt(d_in/d_out)·σ₁(W)."""
+    return float(torch.linalg.matrix_norm(weight, ord=2)) * rms_scale(weight)

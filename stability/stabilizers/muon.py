@@ -1,0 +1,123 @@
+"""Muon-constrained weights (Newhouse et al. 2025, "Training Transformers with Enforced
+Lipschitz Constants"; METHODS.md §4).
+
+Optimizer: ``torch.optim.Muon`` for the hidden matrices (every Linear weight of the backbone
+except the classifier head), its learning rate scaled by sqrt(fan_out/fan_in)
+(``adjust_lr_fn="spectral_unclamped"``) so that an update has RMS→RMS norm ≈ lr; AdamW (the
+module's ``lr``, ``weight_decay``, ``betas``) for everything else.
+
+After every step, on each hidden matrix, in RMS→RMS units with target σ_max:
+
+* ``weight_decay``: W ← W − λη·W_old (decoupled, with the current Muon lr η; with Muon this
+  alone bounds ‖W‖ ≤ 1/λ);
+* then the ``constraint``: ``none`` (decay only), ``normalise`` (W / max(1, ‖W‖/σ_max)),
+  ``hammer`` (σ₁ set to σ_max), ``hard_cap`` (U·min(Σ, σ_max)·Vᵀ, exact msign formula) or
+  ``soft_cap`` (the α-polynomial, α coupled to the measured update: k = σ_max(1 − λη) + max_W
+  ‖ΔW‖_RMS; keeps ‖W‖ ≤ σ_max when the update is small against σ_max).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..nn import constraints
+from ..optim_combined import CombinedOptimizer
+from .base import Stabilizer
+
+CONSTRAINTS = ("none", "normalise", "hammer", "hard_cap", "soft_cap")
+
+
+def hidden_matrices(network: nn.Module) -> list[nn.Parameter]:
+    """Weights of every Linear except the classifier head (names containing 'head')."""
+    return [m.weight for name, m in network.named_modules()
+            if isinstance(m, nn.Linear) and "head" not in name.split(".")]
+
+
+class MuonConstrained(Stabilizer):
+    """``--stabilizer muon``.
+
+    Args:
+        lr: Muon learning rate (RMS→RMS update size); AdamW keeps the module's ``lr``.
+        momentum, nesterov, ns_steps: passed to torch.optim.Muon.
+        weight_decay: λ of the decoupled decay on the hidden matrices.
+        constraint: one of none, normalise, hammer, hard_cap, soft_cap.
+        sigma_max: the target RMS→RMS norm.
+        optimizer: ``muon`` or ``adamw`` (the constraints alone, e.g. hammer was made for Adam).
+    """
+
+    name = "muon"
+
+    def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 weight_decay: float = 0.0, constraint: Literal["none", "normalise", "hammer", "hard_cap",
+                                                                "soft_cap"] = "soft_cap",
+                 sigma_max: float = 1.0, optimizer: Literal["muon", "adamw"] = "muon") -> None:
+        if constraint not in CONSTRAINTS:
+            raise ValueError(f"muon: constraint must be one of {CONSTRAINTS}, got {constraint!r}")
+        if optimizer not in ("muon", "adamw"):
+            raise ValueError(f"muon: optimizer must be 'muon' or 'adamw', got {optimizer!r}")
+        if sigma_max <= 0 or lr <= 0 or weight_decay < 0:
+            raise ValueError(f"muon: need sigma_max > 0, lr > 0, weight_decay >= 0; got {sigma_max}, {lr}, "
+                             f"{weight_decay}")
+        self.lr, self.momentum, self.nesterov, self.ns_steps = lr, momentum, nesterov, ns_steps
+        self.weight_decay, self.constraint, self.sigma_max, self.optimizer = weight_decay, constraint, sigma_max, optimizer
+        self._matrices: list[nn.Parameter] = []
+        self._before: list[torch.Tensor] = []
+        self._muon: torch.optim.Optimizer | None = None
+        self.last_alpha = 0.0
+
+    def prepare(self, network: nn.Module) -> None:
+        if not hidden_matrices(network):
+            raise ValueError("muon: the network has no hidden Linear weights to constrain")
+        if self.constraint != "none":
+            self._matrices = hidden_matrices(network)
+            self._project(update_norm=0.0, decay=0.0)
+
+    def build_optimizer(self, network, default):
+        """Muon (or AdamW) on the hidden matrices, the module's default optimizer on the rest."""
+        self._matrices = hidden_matrices(network)
+        ids = {id(p) for p in self._matrices}
+        rest = default((n, p) for n, p in network.named_parameters() if id(p) not in ids)
+        if self.optimizer == "muon":
+            self._muon = torch.optim.Muon(self._matrices, lr=self.lr, weight_decay=0.0, momentum=self.momentum,
+                                          nesterov=self.nesterov, ns_steps=self.ns_steps,
+                                          adjust_lr_fn="spectral_unclamped")
+        else:
+            self._muon = torch.optim.AdamW(self._matrices, lr=self.lr, weight_decay=0.0)
+        optimizer = CombinedOptimizer([self._muon, rest])
+        optimizer.register_step_pre_hook(lambda *_: self._snapshot())
+        return optimizer
+
+    def _snapshot(self) -> None:
+        self._before = [p.detach().clone() for p in self._matrices]
+
+    @torch.no_grad()
+    def after_optimizer_step(self, network: nn.Module) -> None:
+        if not self._before:
+            return
+        eta = self._muon.param_groups[0]["lr"]
+        update = max(constraints.rms_norm(p - b) for p, b in zip(self._matrices, self._before))
+        for p, before in zip(self._matrices, self._before):
+            p.sub_(self.weight_decay * eta * before)
+        self._project(update_norm=update, decay=self.weight_decay * eta)
+        self._before = []
+
+    @torch.no_grad()
+    def _project(self, update_norm: float, decay: float) -> None:
+        if self.constraint == "none":
+            return
+        if self.constraint == "soft_cap":
+            k = self.sigma_max * (1 - decay) + update_norm
+            self.last_alpha = constraints.soft_cap_alpha(k, self.sigma_max)
+        for p in self._matrices:
+            w = p.data.double()
+            if self.constraint == "normalise":
+                w = constraints.normalise(w, self.sigma_max)
+            elif self.constraint == "hammer":
+                w = constraints.hammer(w, self.sigma_max)
+            elif self.constraint == "hard_cap":
+                w = constraints.hard_cap(w, self.sigma_max)
+            elif self.last_alpha > 0:  # soft cap
+                w = constraints.soft_cap(w, self.last_alpha)
+            p.copy_(w.to(p.dtype))
