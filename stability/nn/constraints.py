@@ -69,10 +69,10 @@ def hammer(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
 
 def normalise(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
     """Spectral normalisation: W ← W / max(1, ‖W‖_RMS / σ_max)."""
-    norm = float(torch.linalg.matrix_norm(weight, ord=2)) * rms_scale(weight)
+    norm = rms_norm(weight)
     return weight / max(1.0, norm / sigma_max)
 
 
 def rms_norm(weight: torch.Tensor) -> float:
     """‖W‖_RMS→RMS = sqrt(d_in/d_out)·σ₁(W)."""
-    return float(torch.linalg.matrix_norm(weight, ord=2)) * rms_scale(weight)
+    return float(torch.linalg.matrix_norm(weight.detach(), ord=2)) * rms_scale(weight)

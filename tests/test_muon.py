@@ -1,0 +1,137 @@
+"""Muon-constrained weights: each projection against SVD, the soft cap's guarantee after a Muon
+step, and our optimizer set-up against torch.optim.Muon / AdamW on the same weights."""
+import copy
+
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.nn import constraints
+from stability.stabilizers import MuonConstrained
+from stability.stabilizers.muon import hidden_matrices
+
+VIT = dict(embed_dim=16, depth=1, num_heads=2)
+
+
+def random_matrix(m, n, seed, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, n, generator=gen, dtype=torch.float64) * scale / n ** 0.5
+
+
+def rms_singular_values(w):
+    return torch.linalg.svdvals(w) * (w.shape[1] / w.shape[0]) ** 0.5
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (8, 8)])
+def test_hard_cap_is_u_min_sigma_beta_vt(shape):
+    w = random_matrix(*shape, seed=1)
+    beta = 1.2
+    scale = (shape[1] / shape[0]) ** 0.5
+    u, s, vh = torch.linalg.svd(w * scale, full_matrices=False)
+    expected = (u * s.clamp(max=beta)) @ vh / scale
+    torch.testing.assert_close(constraints.hard_cap(w, beta), expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_hammer_sets_the_top_singular_value_and_keeps_the_rest(shape):
+    w = random_matrix(*shape, seed=2)
+    before = rms_singular_values(w)
+    after = rms_singular_values(constraints.hammer(w, 0.9))
+    assert float(before[0]) > 0.9
+    assert float(after.max()) == pytest.approx(max(0.9, float(before[1])), rel=1e-10)
+    assert torch.isclose(after, torch.tensor(0.9, dtype=after.dtype)).any()
+    for sigma in before[1:]:
+        assert torch.isclose(after, sigma).any()
+
+
+def test_normalise_divides_only_when_above_the_target():
+    w = random_matrix(6, 10, seed=3)
+    assert constraints.rms_norm(constraints.normalise(w, 0.5)) == pytest.approx(0.5, rel=1e-10)
+    small = w * 1e-3
+    assert torch.equal(constraints.normalise(small, 0.5), small)
+
+
+@pytest.mark.parametrize("k,sigma_max", [(1.05, 1.0), (1.2, 1.0), (3.0, 2.5)])
+def test_soft_cap_alpha_maps_k_to_sigma_max_and_the_polynomial_matches_svd(k, sigma_max):
+    alpha = constraints.soft_cap_alpha(k, sigma_max)
+    assert alpha > 0
+    assert float(constraints.soft_cap_polynomial(torch.tensor(k, dtype=torch.float64), alpha)) == pytest.approx(sigma_max)
+    w = random_matrix(6, 10, seed=4)
+    w = w / constraints.rms_norm(w) * k  # top RMS singular value exactly k
+    capped = constraints.soft_cap(w, alpha)
+    expected = constraints.soft_cap_polynomial(rms_singular_values(w), alpha)
+    torch.testing.assert_close(rms_singular_values(capped), expected.sort(descending=True).values)
+    assert constraints.rms_norm(capped) == pytest.approx(sigma_max, rel=1e-8)
+    assert constraints.soft_cap_alpha(0.9, 1.0) == 0.0
+
+
+def _module(constraint, **options):
+    return ImageClassifier(backbone_options=VIT, stabilizer="muon", lr=1e-3, weight_decay=0.05,
+                           stabilizer_options={"muon": {"constraint": constraint, **options}})
+
+
+def _set_grads(module, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_optimizer_matches_torch_muon_and_adamw_on_the_same_weights():
+    module = _module("none", lr=0.05, momentum=0.9)
+    reference = copy.deepcopy(module)
+    stab = module.stabilizers[0]
+    ours = stab.build_optimizer(module.network, lambda named: torch.optim.AdamW(
+        [{"params": [p for _, p in named], "weight_decay": 0.05}], lr=1e-3))
+    matrices = hidden_matrices(reference.network)
+    ids = {id(p) for p in matrices}
+    torch_muon = torch.optim.Muon(matrices, lr=0.05, momentum=0.9, weight_decay=0.0, adjust_lr_fn="spectral_unclamped")
+    torch_adamw = torch.optim.AdamW([p for p in reference.network.parameters() if id(p) not in ids], lr=1e-3,
+                                    weight_decay=0.05)
+    for seed in range(3):
+        _set_grads(module, seed), _set_grads(reference, seed)
+        ours.step(), torch_muon.step(), torch_adamw.step()
+        stab.after_optimizer_step(module.network)
+    for (name, a), b in zip(module.network.named_parameters(), reference.network.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+    # the RMS→RMS size of a Muon update is lr, up to Newton–Schulz's inflation (≈ 0.7–1.2)
+    before = [p.detach().clone() for p in hidden_matrices(module.network)]
+    _set_grads(module, 9)
+    ours.step()
+    sizes = [constraints.rms_norm((p - b).double()) / 0.05 for p, b in zip(hidden_matrices(module.network), before)]
+    assert all(0.5 < s < 1.3 for s in sizes), sizes
+
+
+@pytest.mark.parametrize("constraint", ["normalise", "hammer", "hard_cap", "soft_cap"])
+def test_every_constraint_keeps_weights_at_sigma_max_over_muon_steps(constraint):
+    module = _module(constraint, lr=0.02, sigma_max=1.0, weight_decay=0.1)
+    stab = module.stabilizers[0]
+    optimizer = stab.build_optimizer(module.network, lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
+    assert max(constraints.rms_norm(p.double()) for p in hidden_matrices(module.network)) <= 1.0 + 1e-5
+    for seed in range(15):
+        _set_grads(module, seed)
+        optimizer.step()
+        stab.after_optimizer_step(module.network)
+        norms = [constraints.rms_norm(p.double()) for p in hidden_matrices(module.network)]
+        assert max(norms) <= 1.0 + 1e-4, (seed, norms)
+    if constraint == "soft_cap":
+        assert stab.last_alpha > 0
+
+
+def test_weight_decay_only_uses_the_current_lr():
+    module = _module("none", lr=0.1, weight_decay=0.5)
+    stab = module.stabilizers[0]
+    optimizer = stab.build_optimizer(module.network, lambda named: torch.optim.SGD([p for _, p in named], lr=0.0))
+    w = hidden_matrices(module.network)[0]
+    before = w.detach().clone()
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # zero gradient: Muon's update is zero, only the decay acts
+    stab.after_optimizer_step(module.network)
+    torch.testing.assert_close(w.detach(), before * (1 - 0.1 * 0.5))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="constraint must be one of"):
+        MuonConstrained(constraint="clip")
+    with pytest.raises(ValueError, match="optimizer must be 'muon' or 'adamw'"):
+        MuonConstrained(optimizer="sgd")
