@@ -135,3 +135,29 @@ def test_bad_options():
         MuonConstrained(constraint="clip")
     with pytest.raises(ValueError, match="optimizer must be 'muon' or 'adamw'"):
         MuonConstrained(optimizer="sgd")
+
+
+def test_lipschitz_transformer_architecture():
+    from torch import nn
+    from stability.models import attention_sites, norm_sites
+    from stability.nn.cosine_attention import LipschitzDotKernel
+    from stability.nn.lipschitz_blocks import ConvexResidualBlock, ScaledGELU
+
+    module = _module("soft_cap", lipschitz_transformer=True, attention_scale=2.0)
+    backbone = module.network.backbone
+    assert not norm_sites(backbone)
+    assert all(isinstance(s.module.kernel, LipschitzDotKernel) for s in attention_sites(backbone))
+    blocks = [m for m in backbone.modules() if isinstance(m, ConvexResidualBlock)]
+    assert len(blocks) == 1 and blocks[0].a == pytest.approx(1 / 2)
+    assert isinstance(blocks[0].block.mlp.act, ScaledGELU)
+    # the block computes the convex combinations, attention = (1/3)·softmax(2·QKᵀ/d)·V through W_O
+    block, x = blocks[0], torch.randn(2, 5, 16)
+    attn = block.block.attn
+    q, k, v = attn.qkv(x).reshape(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    heads = torch.softmax(2.0 * q @ k.transpose(-2, -1) / 8, dim=-1) @ v / 3
+    y = 0.5 * x + 0.5 * attn.proj(heads.transpose(1, 2).reshape(2, 5, 16))
+    torch.testing.assert_close(block(x), 0.5 * y + 0.5 * block.block.mlp(y), atol=1e-6, rtol=1e-5)
+    # GELU/1.1289 is 1-Lipschitz (and only just)
+    grid = torch.linspace(-6, 6, 20001, requires_grad=True)
+    (slope,) = torch.autograd.grad(ScaledGELU()(grid).sum(), grid)
+    assert 0.999 < float(slope.abs().max()) <= 1.0

@@ -62,10 +62,11 @@ def scsa_lipschitz_bound(n_tokens: int, tau: float, nu: float, eps: float, w_q: 
     return 2 * n * (n - 1) * tau * c * w_k + 2 * (n - 1) * tau * c * w_q + 2 * n * c * w_v
 
 
-class CosineAttention(nn.Module):
-    """Replacement of timm's ViT ``Attention`` with SCSA; takes over its qkv and proj layers."""
+class KernelAttention(nn.Module):
+    """Replacement of timm's ViT ``Attention`` computing heads with ``kernel`` (e.g. SCSA); takes over
+    its qkv and proj layers."""
 
-    def __init__(self, original: nn.Module, kernel: ScaledCosineKernel) -> None:
+    def __init__(self, original: nn.Module, kernel: nn.Module) -> None:
         super().__init__()
         self.num_heads = original.num_heads
         self.head_dim = original.qkv.out_features // (3 * self.num_heads)
@@ -81,10 +82,11 @@ class CosineAttention(nn.Module):
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
 
 
-class CosineWindowAttention(nn.Module):
-    """Replacement of timm's Swin ``WindowAttention`` with SCSA; keeps the relative position bias."""
+class KernelWindowAttention(nn.Module):
+    """Replacement of timm's Swin ``WindowAttention`` computing heads with ``kernel``; keeps the
+    relative position bias (a constant additive bias of the logits)."""
 
-    def __init__(self, original: nn.Module, kernel: ScaledCosineKernel) -> None:
+    def __init__(self, original: nn.Module, kernel: nn.Module) -> None:
         super().__init__()
         self.num_heads = original.num_heads
         self.head_dim = original.qkv.out_features // (3 * self.num_heads)
@@ -107,3 +109,24 @@ class CosineWindowAttention(nn.Module):
             bias = bias.reshape(b, self.num_heads, n, n)
         out = self.kernel(q, k, v, bias.to(q.dtype), self.attn_drop, self.fused_attn)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
+
+
+class LipschitzDotKernel(nn.Module):
+    """(1/3)·softmax(s·QKᵀ/d + B)·V per head: the attention of Newhouse et al.'s Lipschitz
+    transformer (1/d instead of 1/√d; the 1/3 sits before W_O). METHODS.md §4."""
+
+    def __init__(self, head_dim: int, s: float = 1.0) -> None:
+        super().__init__()
+        self.head_dim, self.s = head_dim, s
+
+    def forward(self, q, k, v, bias, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
+        scale = self.s / self.head_dim
+        if fused:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
+                                                 dropout_p=attn_drop.p if self.training else 0.0)
+        else:
+            logits = scale * (q @ k.transpose(-2, -1))
+            if bias is not None:
+                logits = logits + bias
+            out = attn_drop(logits.softmax(dim=-1)) @ v
+        return out / 3.0

@@ -27,7 +27,7 @@ from torch import nn
 from ..models import attention_sites, norm_sites, residual_sites
 from ..models.cswin import CrossShapedAttention
 from ..nn.center_norm import CenterNorm
-from ..nn.cosine_attention import CosineAttention, CosineWindowAttention, ScaledCosineKernel
+from ..nn.cosine_attention import KernelAttention, KernelWindowAttention, ScaledCosineKernel
 from ..nn.spectral import spectral_init_
 from .base import Stabilizer
 
@@ -46,6 +46,19 @@ class ResidualScale(nn.Module):
 def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+
+
+def replace_attention_kernel(backbone: nn.Module, name: str, module: nn.Module, kernel: nn.Module) -> None:
+    """Make attention module ``name`` compute its heads with ``kernel`` (ViT, Swin or CSwin)."""
+    if isinstance(module, CrossShapedAttention):
+        module.kernel = kernel
+    elif isinstance(module, WindowAttention):
+        replace_submodule(backbone, name, KernelWindowAttention(module, kernel))
+    elif isinstance(module, TimmAttention):
+        replace_submodule(backbone, name, KernelAttention(module, kernel))
+    else:
+        raise ValueError(f"no replacement attention kernel for {type(module).__name__} "
+                         f"(supported: timm Attention, timm WindowAttention, CrossShapedAttention)")
 
 
 class LipsFormer(Stabilizer):
@@ -97,15 +110,10 @@ class LipsFormer(Stabilizer):
                                   self.head_scale)
 
     def _use_cosine_attention(self, backbone: nn.Module, name: str, module: nn.Module) -> None:
-        if isinstance(module, CrossShapedAttention):
-            module.kernel = self._kernel(module.num_heads)
-        elif isinstance(module, WindowAttention):
-            replace_submodule(backbone, name, CosineWindowAttention(module, self._kernel(module.num_heads)))
-        elif isinstance(module, TimmAttention):
-            replace_submodule(backbone, name, CosineAttention(module, self._kernel(module.num_heads)))
-        else:
-            raise ValueError(f"lipsformer: cosine attention has no replacement for {type(module).__name__}; "
-                             f"use attention='dot' or one of the vit / swin / cswin backbones")
+        try:
+            replace_attention_kernel(backbone, name, module, self._kernel(module.num_heads))
+        except ValueError as err:
+            raise ValueError(f"lipsformer: {err}; use attention='dot'") from None
 
     @staticmethod
     def _conv_input_shapes(network: nn.Module) -> dict[nn.Module, tuple]:

@@ -14,6 +14,10 @@ After every step, on each hidden matrix, in RMS→RMS units with target σ_max:
   ``hammer`` (σ₁ set to σ_max), ``hard_cap`` (U·min(Σ, σ_max)·Vᵀ, exact msign formula) or
   ``soft_cap`` (the α-polynomial, α coupled to the measured update: k = σ_max(1 − λη) + max_W
   ‖ΔW‖_RMS; keeps ‖W‖ ≤ σ_max when the update is small against σ_max).
+
+``lipschitz_transformer=True`` also switches the architecture to the paper's, for which a finite
+global bound exists: no LayerNorm (Identity), convex residuals x ← (1 − 1/(2N))x + (1/(2N))·f(x)
+for N blocks, attention (1/3)·W_O·softmax(s·QKᵀ/d)·V, and GELU/1.1289. DropPath is bypassed.
 """
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..models import attention_sites, norm_sites, residual_sites
 from ..nn import constraints
+from ..nn.cosine_attention import LipschitzDotKernel
+from ..nn.lipschitz_blocks import ConvexResidualBlock, ScaledGELU
 from ..optim_combined import CombinedOptimizer
 from .base import Stabilizer
+from .lipsformer import replace_attention_kernel, replace_submodule
 
 CONSTRAINTS = ("none", "normalise", "hammer", "hard_cap", "soft_cap")
 
@@ -45,6 +53,8 @@ class MuonConstrained(Stabilizer):
         constraint: one of none, normalise, hammer, hard_cap, soft_cap.
         sigma_max: the target RMS→RMS norm.
         optimizer: ``muon`` or ``adamw`` (the constraints alone, e.g. hammer was made for Adam).
+        lipschitz_transformer: switch the architecture to the paper's (see the module docstring).
+        attention_scale: s in softmax(s·QKᵀ/d) of that architecture.
     """
 
     name = "muon"
@@ -52,7 +62,8 @@ class MuonConstrained(Stabilizer):
     def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  weight_decay: float = 0.0, constraint: Literal["none", "normalise", "hammer", "hard_cap",
                                                                 "soft_cap"] = "soft_cap",
-                 sigma_max: float = 1.0, optimizer: Literal["muon", "adamw"] = "muon") -> None:
+                 sigma_max: float = 1.0, optimizer: Literal["muon", "adamw"] = "muon",
+                 lipschitz_transformer: bool = False, attention_scale: float = 1.0) -> None:
         if constraint not in CONSTRAINTS:
             raise ValueError(f"muon: constraint must be one of {CONSTRAINTS}, got {constraint!r}")
         if optimizer not in ("muon", "adamw"):
@@ -62,17 +73,34 @@ class MuonConstrained(Stabilizer):
                              f"{weight_decay}")
         self.lr, self.momentum, self.nesterov, self.ns_steps = lr, momentum, nesterov, ns_steps
         self.weight_decay, self.constraint, self.sigma_max, self.optimizer = weight_decay, constraint, sigma_max, optimizer
+        self.lipschitz_transformer, self.attention_scale = lipschitz_transformer, attention_scale
         self._matrices: list[nn.Parameter] = []
         self._before: list[torch.Tensor] = []
         self._muon: torch.optim.Optimizer | None = None
         self.last_alpha = 0.0
 
     def prepare(self, network: nn.Module) -> None:
+        if self.lipschitz_transformer:
+            self._lipschitz_architecture(network.backbone if hasattr(network, "backbone") else network)
         if not hidden_matrices(network):
             raise ValueError("muon: the network has no hidden Linear weights to constrain")
         if self.constraint != "none":
             self._matrices = hidden_matrices(network)
             self._project(update_norm=0.0, decay=0.0)
+
+    def _lipschitz_architecture(self, backbone: nn.Module) -> None:
+        for site in norm_sites(backbone):
+            site.replace(nn.Identity())
+        for site in attention_sites(backbone):
+            replace_attention_kernel(backbone, site.name, site.module,
+                                     LipschitzDotKernel(site.head_dim, self.attention_scale))
+        for module in backbone.modules():
+            if isinstance(getattr(module, "act", None), nn.GELU):
+                module.act = ScaledGELU()
+        block_names = [site.name.rpartition(".")[0] for site in residual_sites(backbone)][::2]
+        for name in block_names:
+            replace_submodule(backbone, name, ConvexResidualBlock(backbone.get_submodule(name),
+                                                                  1.0 / (2 * len(block_names))))
 
     def build_optimizer(self, network, default):
         """Muon (or AdamW) on the hidden matrices, the module's default optimizer on the rest."""
