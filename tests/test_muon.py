@@ -160,4 +160,4 @@ def test_lipschitz_transformer_architecture():
     # GELU/1.1289 is 1-Lipschitz (and only just)
     grid = torch.linspace(-6, 6, 20001, requires_grad=True)
     (slope,) = torch.autograd.grad(ScaledGELU()(grid).sum(), grid)
-    assert 0.999 < float(slope.abs().max()) <= 1.0
+    assert 0.999 < float(slope.abs().max()) <= 1.0 + 1e-6  # float32 autograd
