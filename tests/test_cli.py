@@ -77,6 +77,16 @@ def test_shipped_configs_parse(name, capsys):
     assert printed["model"]["backbone"] == name.split("_")[0]
 
 
+@pytest.mark.parametrize("name", ["jasmin", "specformer", "lipsformer", "lipsformer_reference", "lipsformer_jasmin",
+                                  "spectral_norm", "muon", "lipschitz_transformer"])
+def test_stabilizer_configs_compose_with_a_run_config(name, capsys):
+    configs = Path(__file__).parents[1] / "configs"
+    printed = print_config(capsys, "--config", str(configs / "vit_digits.yaml"),
+                           "--config", str(configs / "stabilizer" / f"{name}.yaml"))
+    selected = printed["stabilizer"] if isinstance(printed["stabilizer"], list) else [printed["stabilizer"]]
+    assert set(selected) <= {"jasmin", "specformer", "lipsformer", "spectral_norm", "muon"} and selected
+
+
 def test_unknown_stabilizer_lists_the_valid_names(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--stabilizer", "jasmine"])
