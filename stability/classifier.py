@@ -68,7 +68,7 @@ class ImageClassifier(L.LightningModule):
         net = build_backbone(backbone, size, img_size=image_size, in_chans=in_chans, num_classes=num_classes,
                              **(backbone_options or {}))
         self.network = Network(net, mean, std, image_size)
-        for stab in self.stabilizers:
+        for stab in sorted(self.stabilizers, key=lambda s: s.prepare_order):
             stab.prepare(self.network)
         self._needs_probs = any(s.needs_attention_probs for s in self.stabilizers)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")

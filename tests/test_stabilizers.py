@@ -114,3 +114,10 @@ def test_baseline_changes_nothing():
         assert torch.equal(a, b)
     assert NoStabilizer().lipschitz_bound(none.network) is None
     assert NoStabilizer().loss(None) is None
+
+
+def test_module_swapping_stabilizers_prepare_first_whatever_the_order_given():
+    module = ImageClassifier(backbone="vit", backbone_options=TINY_VIT, stabilizer="specformer,lipsformer")
+    assert [s.name for s in module.stabilizers] == ["specformer", "lipsformer"]
+    for site in attention_sites(module.network.backbone):
+        assert hasattr(site.module, "kernel") and hasattr(site.module, "specformer_u_q")

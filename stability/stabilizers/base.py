@@ -5,7 +5,8 @@ calls, for each selected stabilizer, in the order given:
 
 1. ``prepare(network)`` once, when the module is built (before a checkpoint is loaded, so
    that a changed architecture — CenterNorm, cosine attention, weighted residuals — has
-   the matching state dict), to swap modules or re-initialise weights;
+   the matching state dict), to swap modules or re-initialise weights; stabilizers with
+   ``prepare_order = 0`` (those that swap modules) go first;
 2. ``loss(step)`` on every training forward pass, returning a term added to the task
    loss (logged as ``loss/<name>``) or None; ``needs_attention_probs = True`` makes the
    module record the attention probabilities for it (the fused path stays on otherwise);
@@ -41,6 +42,9 @@ class Stabilizer:
     """Base class: every hook does nothing. Subclasses set ``name`` and override what they need."""
 
     name: ClassVar[str] = ""
+    # prepare() runs in this order (stable within a level): 0 for stabilizers that swap modules,
+    # so that the others (which attach buffers or parametrisations) see the final architecture.
+    prepare_order: ClassVar[int] = 1
     needs_attention_probs: bool = False  # a class or an instance attribute
 
     def prepare(self, network: nn.Module) -> None:

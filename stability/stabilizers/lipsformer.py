@@ -65,6 +65,7 @@ class LipsFormer(Stabilizer):
     """``--stabilizer lipsformer``; every component can be switched on or off on its own."""
 
     name = "lipsformer"
+    prepare_order = 0
 
     def __init__(self, center_norm: bool = True, attention: Literal["cosine", "dot"] = "cosine",
                  tau: float = 10.0, nu: float = 1.0, eps: float = 1e-6, learn_scales: bool = True,

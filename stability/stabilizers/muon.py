@@ -58,6 +58,7 @@ class MuonConstrained(Stabilizer):
     """
 
     name = "muon"
+    prepare_order = 0
 
     def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  weight_decay: float = 0.0, constraint: Literal["none", "normalise", "hammer", "hard_cap",
