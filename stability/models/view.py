@@ -145,6 +145,22 @@ def patch_embed(backbone: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
+def explicit_attention(backbone: nn.Module) -> Iterator[None]:
+    """Switch every attention module to its explicit (non-fused) path inside the block.
+
+    The function computed is the same; the explicit path materialises the probabilities and
+    can be differentiated twice, which the fused SDPA kernels cannot."""
+    saved = [(site.module, site.module.fused_attn) for site in attention_sites(backbone)]
+    try:
+        for module, _ in saved:
+            module.fused_attn = False
+        yield
+    finally:
+        for module, fused in saved:
+            module.fused_attn = fused
+
+
+@contextlib.contextmanager
 def capture_attention(backbone: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Record attention probabilities during the forward passes run inside the block.
 
@@ -153,19 +169,14 @@ def capture_attention(backbone: nn.Module) -> Iterator[list[torch.Tensor]]:
     to one. The fused path is switched off inside the block and restored after it.
     """
     probs: list[torch.Tensor] = []
-    saved, handles = [], []
 
     def record(_module, inputs):
         probs.append(inputs[0])
 
+    handles = [site.module.attn_drop.register_forward_pre_hook(record) for site in attention_sites(backbone)]
     try:
-        for site in attention_sites(backbone):
-            saved.append((site.module, site.module.fused_attn))
-            site.module.fused_attn = False
-            handles.append(site.module.attn_drop.register_forward_pre_hook(record))
-        yield probs
+        with explicit_attention(backbone):
+            yield probs
     finally:
         for handle in handles:
             handle.remove()
-        for module, fused in saved:
-            module.fused_attn = fused
