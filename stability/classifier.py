@@ -16,6 +16,19 @@ from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, para
 from .stabilizers import ForwardStep, build_stabilizers, stabilizer_names
 
 
+# TensorBoard "Custom Scalars" tab: the comparisons a researcher looks at, grouped.
+CUSTOM_SCALARS = {
+    "accuracy": {"clean and robust": ["Multiline", [r"val/acc", r"robust/.*"]],
+                 "train": ["Multiline", [r"train/acc"]]},
+    "lipschitz": {"local estimate": ["Multiline", [r"lipschitz/local_.*"]],
+                  "bounds": ["Multiline", [r"lipschitz/lower_bound_max", r"lipschitz/certified_log10"]]},
+    "stability": {"loss terms": ["Multiline", [r"train/loss_step", r"loss/.*_step"]],
+                  "gradient norms": ["Multiline", [r"stability/grad_norm.*"]],
+                  "max |activation|": ["Multiline", [r"stability/act_max/.*"]],
+                  "spikes": ["Multiline", [r"stability/loss_spikes", r"stability/diverged_at_step"]]},
+}
+
+
 class ImageClassifier(L.LightningModule):
     """Image classification with a ViT / Swin / CSwin backbone and pluggable stabilizers.
 
@@ -159,7 +172,9 @@ class ImageClassifier(L.LightningModule):
         """Write the hyperparameters to TensorBoard's HParams tab, tied to the final hp/ metrics."""
         for logger in self.loggers:
             if isinstance(logger, L.pytorch.loggers.TensorBoardLogger):
-                logger.log_hyperparams(self.hparams_for_logging(), {"hp/val_acc": 0.0, "hp/val_loss": 0.0})
+                logger.log_hyperparams(self.hparams_for_logging(), {"hp/val_acc": 0.0, "hp/val_loss": 0.0,
+                                                                     "hp/diverged_at_step": -1})
+                logger.experiment.add_custom_scalars(CUSTOM_SCALARS)
 
     def hparams_for_logging(self) -> dict[str, Any]:
         """Flat hyperparameters: the module's, the selected stabilizers' options, the data's."""

@@ -23,11 +23,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from .callbacks import LipschitzMonitor, RobustnessMonitor, TrainingStability
 from .classifier import ImageClassifier
 from .data import ImageDataModule
 from .stabilizers import REGISTRY, stabilizer_names
 
 DEFAULT_DATA = "stability.data.Digits"
+DIVERGED_EXIT_CODE = 3  # a sweep reads this: the run finished cleanly but diverged
 LINKED_FROM_DATA = ("num_classes", "in_chans", "image_size", "mean", "std")
 TRAINER_DEFAULTS = {"max_epochs": 30, "log_every_n_steps": 10}
 
@@ -114,6 +116,9 @@ class StabilityCLI(LightningCLI):
             as_list = list if key in ("mean", "std") else None  # plain YAML lists in hparams, not tuples
             parser.link_arguments(f"data.{key}", f"model.{key}", compute_fn=as_list, apply_on="instantiate")
         parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})
+        parser.add_lightning_class_args(TrainingStability, "stability")
+        parser.add_lightning_class_args(LipschitzMonitor, "lipschitz")
+        parser.add_lightning_class_args(RobustnessMonitor, "robustness")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         """Parse; with ``--ckpt_path``, parse again with the checkpoint's model, stabilizer and data
@@ -141,12 +146,18 @@ class StabilityCLI(LightningCLI):
 
 def main(args: Optional[list[str]] = None) -> None:
     try:
-        StabilityCLI(args=args)
+        cli = StabilityCLI(args=args)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
         if os.environ.get("STABILITY_TRACEBACK"):
             raise
         print(f"stability: error: {err}\n(set STABILITY_TRACEBACK=1 to see where it was raised)", file=sys.stderr)
         raise SystemExit(2) from None
+    monitor = next((c for c in cli.trainer.callbacks if isinstance(c, TrainingStability)), None)
+    if monitor is not None and monitor.diverged:
+        detector = monitor.detector
+        print(f"stability: run diverged at step {detector.diverged_at_step}: {detector.reason}; "
+              f"logs and checkpoints so far are kept in {cli.trainer.log_dir}", file=sys.stderr)
+        raise SystemExit(DIVERGED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -44,10 +44,12 @@ def test_fit_through_the_console_script_learns_and_logs_to_tensorboard(tmp_path)
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["stabilizer"] == "none" and saved["data"]["class_path"] == "stability.data.Digits"
 
-    test = subprocess.run(console_script() + ["test", *QUICK, "--ckpt_path", str(run / "checkpoints" / "last.ckpt")],
+    test = subprocess.run(console_script() + ["test", *QUICK, "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+                                              "--robustness.test_attacks", "[fgsm]", "--robustness.num_points", "32"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert test.returncode == 0, test.stderr[-3000:]
-    assert "test/acc" in test.stdout
+    assert "test/acc" in test.stdout and "test_lipschitz/local_mean" in test.stdout
+    assert "test_robust/fgsm_Linf_8/255" in test.stdout  # attacks run under inference mode
 
 
 def print_config(capsys, *args) -> dict:

@@ -1,0 +1,82 @@
+"""Callbacks: divergence is a result with an exit status, monitors log what they say."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from stability.callbacks import DivergenceDetector, LipschitzMonitor, RobustnessMonitor, TrainingStability
+from stability.cli import DIVERGED_EXIT_CODE, main
+from stability.stabilizers import REGISTRY, Stabilizer
+from test_cli import QUICK, SMALL_VIT, scalars
+
+
+def test_detector_counts_spikes_and_flags_divergence():
+    detector = DivergenceDetector(spike_factor=3, divergence_factor=100, beta=0.5, warmup_steps=2)
+    for step, loss in enumerate([1.0, 1.0, 1.0, 4.0, 1.0]):
+        assert not detector.update(loss, step)
+    assert detector.spikes == 1
+    assert detector.update(1e4, 5) and detector.diverged_at_step == 5 and "running loss" in detector.reason
+    fresh = DivergenceDetector()
+    assert fresh.update(math.nan, 7) and fresh.diverged_at_step == 7 and "non-finite" in fresh.reason
+
+
+class NaNAt(Stabilizer):
+    """Test stabilizer: its loss term turns NaN at a given step."""
+
+    name = "nan_at"
+
+    def __init__(self, step: int = 6):
+        self.step = step
+
+    def loss(self, step):
+        return torch.tensor(math.nan) if step.global_step >= self.step else None
+
+
+def test_a_diverged_run_stops_cleanly_keeps_its_files_and_exits_with_its_status(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(REGISTRY, "nan_at", NaNAt)
+    os.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *QUICK, *SMALL_VIT, "--stabilizer", "nan_at", "--nan_at.step", "6", "--trainer.max_epochs", "3",
+              "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"])
+    assert exit_info.value.code == DIVERGED_EXIT_CODE
+    assert "diverged at step 6: non-finite loss" in capsys.readouterr().err
+    run = tmp_path / "runs" / "digits" / "vit" / "nan_at" / "version_0"
+    assert json.loads((run / "diverged.json").read_text()) == {"diverged_at_step": 6, "reason": "non-finite loss (nan)"}
+    assert scalars(run, "hp/diverged_at_step")[-1] == 6 and (run / "config.yaml").is_file()
+
+
+def test_monitors_log_during_fit(tmp_path):
+    os.chdir(tmp_path)
+    main(["fit", *QUICK, *SMALL_VIT, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4",
+          "--lipschitz.num_points", "8", "--lipschitz.exclude_patch_embed", "true", "--robustness.every_n_epochs", "2",
+          "--robustness.num_points", "16", "--robustness.pgd_steps", "2", "--stability.log_every_n_steps", "1",
+          "--trainer.log_every_n_steps", "1"])
+    run = tmp_path / "runs" / "digits" / "vit" / "none" / "version_0"
+    local, lower = scalars(run, "lipschitz/local_max"), scalars(run, "lipschitz/lower_bound_max")
+    assert len(local) == 2 and all(v > 0 for v in local + lower)
+    assert scalars(run, "lipschitz/local_noembed_mean") and scalars(run, "weights/sigma/backbone.head")
+    assert len(scalars(run, "robust/pgd_Linf_8/255")) == 1  # every 2 epochs
+    assert scalars(run, "robust/pgd_Linf_8/255")[0] <= scalars(run, "robust/clean")[0]
+    assert scalars(run, "stability/grad_norm") and scalars(run, "stability/act_max/blocks.0")
+
+
+def test_monitor_options_are_checked():
+    with pytest.raises(ValueError, match="unknown attack 'cw'"):
+        RobustnessMonitor(attacks=("cw",))
+    with pytest.raises(ValueError, match="every_n_epochs >= 0"):
+        LipschitzMonitor(every_n_epochs=-1)
+    with pytest.raises(ValueError, match="spike_factor < divergence_factor"):
+        TrainingStability(spike_factor=5, divergence_factor=2)
+
+
+def test_measuring_does_not_change_the_run_it_measures(tmp_path):
+    os.chdir(tmp_path)
+    losses = []
+    for runs_dir, every in (("on", "1"), ("off", "0")):
+        main(["fit", *QUICK, *SMALL_VIT, "--runs_dir", runs_dir, "--trainer.max_epochs", "3",
+              "--trainer.limit_train_batches", "4", "--lipschitz.every_n_epochs", every, "--lipschitz.num_points", "8",
+              "--robustness.every_n_epochs", every, "--robustness.num_points", "8", "--robustness.pgd_steps", "2"])
+        losses.append(scalars(tmp_path / runs_dir / "digits" / "vit" / "none" / "version_0", "val/loss"))
+    assert losses[0] == losses[1]
