@@ -6,7 +6,10 @@
 * ``lipschitz/lower_bound_max`` — empirical lower bound by gradient ascent in a small ball;
 * ``lipschitz/certified_log10`` — a stabilizer's certified global bound, where one exists; when
   none does, nothing is logged and the run says so once;
-* ``weights/sigma/<layer>``, ``weights/rms/<layer>`` — σ₁ and RMS→RMS norm of every Linear.
+* ``weights/sigma/<layer>``, ``weights/rms/<layer>`` — σ₁ and RMS→RMS norm of every Linear;
+* ``attention/<layer>/<statistic>_h<head>`` — g₁ mean / max, the exact softmax-Jacobian norm on
+  sampled rows, entropy and JaSMin's Theorem 3 bound where it applies
+  (:mod:`stability.lipschitz.attention`), on the first 16 points of the subset.
 """
 from __future__ import annotations
 
@@ -17,21 +20,25 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..lipschitz import empirical_lower_bound, jacobian_norm
+from ..lipschitz.attention import attention_diagnostics
 from ..nn.constraints import rms_norm
 from .subset import first_points
 
 
 class LipschitzMonitor(L.Callback):
     """Args: every_n_epochs (0: off, also at test), num_points of the fixed subset, power
-    ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``, ``weights``."""
+    ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``, ``weights``,
+    ``attention`` (the per-head diagnostics)."""
 
     def __init__(self, every_n_epochs: int = 1, num_points: int = 64, iterations: int = 10,
-                 exclude_patch_embed: bool = False, lower_bound: bool = True, weights: bool = True) -> None:
+                 exclude_patch_embed: bool = False, lower_bound: bool = True, weights: bool = True,
+                 attention: bool = True) -> None:
         if every_n_epochs < 0 or num_points < 1 or iterations < 1:
             raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1, iterations >= 1; got "
                              f"{every_n_epochs}, {num_points}, {iterations}")
         self.every_n_epochs, self.num_points, self.iterations = every_n_epochs, num_points, iterations
         self.exclude_patch_embed, self.lower_bound, self.weights = exclude_patch_embed, lower_bound, weights
+        self.attention = attention
         self._said_no_bound = False
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
@@ -75,6 +82,10 @@ class LipschitzMonitor(L.Callback):
             metrics = {f"{prefix}/{k}": v for k, v in self.measure(pl_module, images.to(pl_module.device)).items()}
         finally:
             pl_module.train(was_training)
+        if self.attention:
+            for layer, stats in attention_diagnostics(pl_module.network, images[:16].to(pl_module.device)).items():
+                for stat, values in stats.items():
+                    metrics.update({f"attention/{layer}/{stat}_h{h}": float(v) for h, v in enumerate(values)})
         if self.weights:
             for name, module in pl_module.network.named_modules():
                 if isinstance(module, torch.nn.Linear):

@@ -1,0 +1,53 @@
+"""Attention diagnostics: g₁ against the exact softmax-Jacobian norm, Theorem 3 against jacrev."""
+import pytest
+import torch
+from torch.func import jacrev
+
+from stability.classifier import ImageClassifier
+from stability.lipschitz.attention import attention_diagnostics, head_statistics
+from stability.models import attention_sites
+from stability.nn.softmax_bounds import g_k, softmax_jacobian
+
+
+def test_g1_bounds_the_sampled_exact_norms_row_by_row():
+    p = torch.softmax(torch.randn(3, 2, 6, 6) * 4, dim=-1)
+    stats = head_statistics(p, sample_rows=10)
+    rows = p.transpose(0, 1).reshape(2, -1, 6)[:, :10]
+    exact = torch.linalg.matrix_norm(softmax_jacobian(rows.double()), ord=2)
+    assert (g_k(rows.double(), 1) >= exact - 1e-12).all()
+    torch.testing.assert_close(stats["softmax_jac_max"], exact.amax(-1).float())
+    assert (stats["g1_sample_max"] >= stats["softmax_jac_max"] - 1e-6).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_theorem3_bounds_the_exact_head_jacobian(seed):
+    torch.manual_seed(seed)
+    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2, qkv_bias=False)).eval()
+    with torch.no_grad():
+        for site in attention_sites(module.network):
+            site.qkv.weight.mul_(4.0)  # sharper attention, so the bound is not trivially loose
+    image = torch.rand(1, 1, 8, 8)
+    diagnostics = attention_diagnostics(module.network, image)
+    site = attention_sites(module.network.backbone)[0]
+    inputs = {}
+    handle = site.module.register_forward_pre_hook(lambda m, args: inputs.setdefault("x", args[0].detach()))
+    module.network(image)
+    handle.remove()
+    x = inputs["x"][0].double()  # (N, D)
+    d = site.head_dim
+    for h in range(site.num_heads):
+        w_q, w_k, w_v = (site.head_weight(part, h).detach().double() for part in "qkv")
+
+        def head(z):
+            return torch.softmax((z @ w_q.T) @ (z @ w_k.T).T / d ** 0.5, dim=-1) @ (z @ w_v.T)
+
+        exact = torch.linalg.matrix_norm(jacrev(head)(x).reshape(x.shape[0] * d, -1), ord=2)
+        assert float(exact) <= float(diagnostics[site.name]["theorem3_max"][h]) * (1 + 1e-5)
+
+
+def test_theorem3_is_absent_where_it_does_not_apply():
+    module = ImageClassifier(backbone="cswin", image_size=16).eval()
+    diagnostics = attention_diagnostics(module.network, torch.rand(2, 1, 16, 16))
+    assert all("theorem3_max" not in stats for stats in diagnostics.values())
+    assert all(stats["g1_mean"].shape == (attention_sites(module.network)[i].num_heads,)
+               for i, stats in enumerate(diagnostics.values()))
