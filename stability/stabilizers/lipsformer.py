@@ -106,6 +106,12 @@ class LipsFormer(Stabilizer):
         if self.spectral_init:
             spectral_init_(backbone, self._conv_input_shapes(network) if self.conv_operator_norm else None)
 
+    def lipschitz_bound(self, network: nn.Module) -> Optional[float]:
+        """Certified bound by composition (ViT with every component on; see stability.lipschitz.certified)."""
+        from ..lipschitz.certified import certified_bound
+
+        return certified_bound(network)[0]
+
     def _kernel(self, heads: int) -> ScaledCosineKernel:
         return ScaledCosineKernel(heads, self.tau, self.nu, self.eps, self.normalize_v, self.learn_scales,
                                   self.head_scale)

@@ -1,0 +1,114 @@
+"""Certified global ℓ2 Lipschitz upper bounds by composition, from the measured weights.
+
+Implemented for the ViT backbone (timm ``VisionTransformer``) when every factor is bounded:
+
+    Lip(f) ≤ (1/min σ_pixel) · ‖patch conv‖ · Π_blocks Lip(block) · Lip(final norm) · ‖W_head‖
+
+* the patch embedding has stride = kernel (non-overlapping patches), so its operator norm is σ₁
+  of the reshaped kernel exactly; position embeddings and the class token are constants;
+* a pre-norm residual branch x + α ⊙ f(N(x)) has Lip ≤ 1 + max|α|·Lip(f)·Lip(N) (LipsFormer,
+  Theorem 2), with N CenterNorm (D/(D−1)·max|γ|) or Identity — LayerNorm has no global bound;
+* scaled cosine attention: one head by LipsFormer's Theorem 1 (with the learned τ, ν and the
+  per-head ‖W_Q‖, ‖W_K‖, ‖W_V‖), heads concatenated (√(Σ L_h²)), times the 1/K head scale
+  and ‖W_O‖ — dot-product attention has no global bound;
+* MLP: ‖W_2‖ · Lip(act) · ‖W_1‖ with Lip(GELU) = 1.1289…;
+* pooling (class token or mean) is 1-Lipschitz in the Frobenius norm over tokens.
+
+Returns None with the reason when a factor is unbounded; never a made-up number.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from timm.layers import Mlp
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from ..nn.center_norm import CenterNorm
+from ..nn.cosine_attention import KernelAttention, ScaledCosineKernel, scsa_lipschitz_bound
+from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, ScaledGELU
+
+
+class Unbounded(Exception):
+    """A factor of the network has no finite global Lipschitz bound."""
+
+
+def sigma(weight: torch.Tensor) -> float:
+    return float(torch.linalg.matrix_norm(weight.detach().double().reshape(weight.shape[0], -1), ord=2))
+
+
+def norm_lipschitz(norm: nn.Module) -> float:
+    if isinstance(norm, nn.Identity):
+        return 1.0
+    if isinstance(norm, CenterNorm):
+        return norm.lipschitz()
+    raise Unbounded(f"{type(norm).__name__} has no global Lipschitz bound (it divides by the standard deviation)")
+
+
+def activation_lipschitz(act: nn.Module) -> float:
+    if isinstance(act, ScaledGELU):
+        return 1.0
+    if isinstance(act, nn.GELU):
+        return GELU_LIPSCHITZ
+    if isinstance(act, nn.ReLU):
+        return 1.0
+    raise Unbounded(f"no Lipschitz constant known for activation {type(act).__name__}")
+
+
+def mlp_lipschitz(mlp: nn.Module) -> float:
+    if not isinstance(mlp, Mlp):
+        raise Unbounded(f"unknown MLP {type(mlp).__name__}")
+    return sigma(mlp.fc2.weight) * norm_lipschitz(mlp.norm) * activation_lipschitz(mlp.act) * sigma(mlp.fc1.weight)
+
+
+def attention_lipschitz(attn: nn.Module, tokens: int) -> float:
+    kernel = getattr(attn, "kernel", None)
+    if not isinstance(attn, KernelAttention) or not isinstance(kernel, ScaledCosineKernel):
+        raise Unbounded("dot-product attention has no global Lipschitz bound (only local ones, JaSMin Theorem 3)")
+    if not kernel.normalize_v:
+        raise Unbounded("cosine attention without V normalisation is not Lipschitz (LipsFormer, Sec. 4.1.2)")
+    tau, nu = abs(float(kernel.tau.detach())), abs(float(kernel.nu.detach()))
+    heads = []
+    for h in range(attn.num_heads):
+        rows = [slice(p * attn.num_heads * attn.head_dim + h * attn.head_dim,
+                      p * attn.num_heads * attn.head_dim + (h + 1) * attn.head_dim) for p in range(3)]
+        w_q, w_k, w_v = (sigma(attn.qkv.weight[r]) for r in rows)
+        heads.append(scsa_lipschitz_bound(tokens, tau, nu, kernel.eps, w_q, w_k, w_v))
+    return sigma(attn.proj.weight) * kernel.head_factor * math.sqrt(sum(h * h for h in heads))
+
+
+def branch_scale(module: nn.Module) -> tuple[float, nn.Module]:
+    """max|α| of a weighted residual wrapped around the DropPath slot (1 when there is none)."""
+    if isinstance(module, nn.Sequential) and hasattr(module[0], "alpha"):
+        return float(module[0].alpha.detach().abs().max()), module
+    return 1.0, module
+
+
+def vit_bound(network: nn.Module) -> float:
+    backbone = network.backbone
+    if not isinstance(backbone, VisionTransformer):
+        raise Unbounded(f"certified bounds are implemented for the ViT backbone, not {type(backbone).__name__}")
+    proj = backbone.patch_embed.proj
+    if tuple(proj.stride) != tuple(proj.kernel_size):
+        raise Unbounded("overlapping patch embedding")
+    bound = 1.0 / float(network.std.min()) * sigma(proj.weight) * norm_lipschitz(backbone.patch_embed.norm)
+    tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+    for block in backbone.blocks:
+        for attr, norm, branch, layer_scale in (("drop_path1", block.norm1, block.attn, block.ls1),
+                                                ("drop_path2", block.norm2, block.mlp, block.ls2)):
+            if not isinstance(layer_scale, nn.Identity):
+                raise Unbounded("LayerScale is not accounted for")
+            alpha, _ = branch_scale(getattr(block, attr))
+            f = attention_lipschitz(branch, tokens) if attr == "drop_path1" else mlp_lipschitz(branch)
+            bound *= 1.0 + alpha * f * norm_lipschitz(norm)
+    bound *= norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm)
+    return bound * sigma(backbone.head.weight)
+
+
+def certified_bound(network: nn.Module) -> tuple[float | None, str]:
+    """(bound, "") or (None, reason)."""
+    try:
+        return vit_bound(network), ""
+    except Unbounded as reason:
+        return None, str(reason)

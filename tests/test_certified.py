@@ -1,0 +1,41 @@
+"""Certified global bounds: finite only where every factor is bounded, and never below what
+the network really does (exact local Jacobian norms, empirical lower bounds)."""
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.lipschitz import empirical_lower_bound, jacobian_norm
+from stability.lipschitz.certified import certified_bound
+
+VIT = dict(embed_dim=16, depth=2, num_heads=2)
+
+
+@pytest.mark.parametrize("options", [{}, {"eps": 1.0, "tau": 2.0}, {"eps": 0.5, "alpha": 0.5, "spectral_init": False}])
+def test_lipsformer_vit_bound_is_finite_and_above_every_measurement(options):
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone_options=VIT, stabilizer="lipsformer", stabilizer_options={"lipsformer": options})
+    network = module.network.eval().double()
+    bound, reason = certified_bound(network)
+    assert bound is not None and reason == "" and bound < float("inf")
+    images = torch.rand(8, 1, 8, 8, dtype=torch.float64)
+    assert float(jacobian_norm(network, images, method="exact").max()) <= bound
+    assert float(empirical_lower_bound(network, images, radius=0.5, steps=20).max()) <= bound
+    assert module.stabilizers[0].lipschitz_bound(network) == pytest.approx(bound)
+
+
+@pytest.mark.parametrize("stabilizer,options,why", [
+    ("none", {}, "dot-product attention has no global Lipschitz bound"),
+    ("lipsformer", {"center_norm": False}, "LayerNorm has no global Lipschitz bound"),
+    ("lipsformer", {"normalize_v": False}, "without V normalisation is not Lipschitz"),
+])
+def test_no_bound_where_a_factor_is_unbounded(stabilizer, options, why):
+    module = ImageClassifier(backbone_options=VIT, stabilizer=stabilizer, stabilizer_options={stabilizer: options}
+                             if options else None)
+    bound, reason = certified_bound(module.network)
+    assert bound is None and why in reason
+
+
+def test_other_backbones_say_the_bound_is_not_implemented():
+    module = ImageClassifier(backbone="swin", image_size=16, stabilizer="lipsformer")
+    bound, reason = certified_bound(module.network)
+    assert bound is None and "implemented for the ViT backbone" in reason
