@@ -1,5 +1,9 @@
-"""Train the micro ViT on digits with each stabilizer (same seed, same epochs) and tabulate val
-accuracy next to the quantity each stabilizer controls, measured on the trained weights.
+"""Train the micro ViT on digits with each stabilizer (same seed, same epochs) and tabulate, on
+the trained weights and the validation images:
+
+1. val accuracy next to the quantity each stabilizer controls;
+2. local Lipschitz estimates (mean / max of ‖J(x)‖₂, exact), the certified global bound where
+   one exists, and clean / FGSM / PGD / AutoAttack (torchattacks) accuracy.
 
     python experiments/stabilizers_digits.py --epochs 30
 
@@ -8,6 +12,7 @@ writes results/stabilizers_digits.md (runs go to runs/stabilizers_digits/, not c
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import time
@@ -17,6 +22,9 @@ import torch
 
 from stability.classifier import ImageClassifier
 from stability.data import Digits
+from stability.lipschitz import jacobian_norm
+from stability.lipschitz.certified import certified_bound
+from stability.robustness import AttackSpec, robust_accuracy
 from stability.models import attention_sites, capture_attention
 from stability.nn.constraints import rms_norm
 from stability.nn.softmax_bounds import g_k
@@ -55,12 +63,28 @@ def measure(ckpt: Path, images: torch.Tensor) -> dict[str, float]:
     }
 
 
+ATTACKS = [AttackSpec("fgsm", "Linf", 2 / 255), AttackSpec("fgsm", "Linf", 8 / 255),
+           AttackSpec("pgd", "Linf", 2 / 255), AttackSpec("pgd", "Linf", 8 / 255),
+           AttackSpec("autoattack", "Linf", 2 / 255)]
+
+
+def measure_robustness(ckpt: Path, images: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    network = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").network.eval()
+    local = jacobian_norm(network, images, method="exact")
+    bound, _ = certified_bound(network)
+    values = {"local mean": float(local.mean()), "local max": float(local.max()),
+              "certified log10": f"{math.log10(bound):.1f}" if bound else "none"}
+    values.update(robust_accuracy(network, images, labels, ATTACKS, num_classes=10, pgd_steps=10, seed=0))
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs_dir", default="runs/stabilizers_digits")
     parser.add_argument("--out", default="results/stabilizers_digits.md")
+    parser.add_argument("--attack_points", type=int, default=128)
     args = parser.parse_args()
     data = Digits()
     data.setup()
@@ -78,7 +102,8 @@ def main() -> None:
         module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").eval()
         with torch.no_grad():
             accuracy = float((module(images).argmax(-1) == data.val_set.tensors[1]).float().mean())
-        rows.append((label, accuracy, measure(ckpt, images), seconds))
+        rows.append((label, accuracy, measure(ckpt, images), seconds,
+                     measure_robustness(ckpt, images[:args.attack_points], data.val_set.tensors[1][:args.attack_points])))
         print(f"{label}: val acc {accuracy:.3f} ({seconds:.0f} s)", flush=True)
     keys = list(rows[0][2])
     lines = [f"# Stabilizers on digits (micro ViT, {args.epochs} epochs, seed {args.seed})", "",
@@ -87,9 +112,17 @@ def main() -> None:
              "weights and the 270 validation images; val accuracy on the same images.", "",
              "| stabilizer | val acc | " + " | ".join(keys) + " | fit time (s) |",
              "|---" * (len(keys) + 3) + "|"]
-    for label, accuracy, values, seconds in rows:
+    for label, accuracy, values, seconds, _ in rows:
         lines.append(f"| {label} | {accuracy:.3f} | " + " | ".join(f"{values[k]:.4g}" for k in keys)
                      + f" | {seconds:.0f} |")
+    robust_keys = list(rows[0][4])
+    lines += ["", f"Lipschitz and robustness on the first {args.attack_points} validation images: local = exact "
+              "‖J(x)‖₂ of input→logits in pixel units; certified = the composed global bound where one exists "
+              "(LipsFormer on ViT), else none; accuracies are fractions; AutoAttack is torchattacks' version.", "",
+              "| stabilizer | " + " | ".join(robust_keys) + " |", "|---" * (len(robust_keys) + 1) + "|"]
+    for label, _, _, _, robust in rows:
+        lines.append(f"| {label} | " + " | ".join(v if isinstance(v, str) else f"{v:.4g}" for v in robust.values())
+                     + " |")
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

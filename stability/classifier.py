@@ -97,7 +97,7 @@ class ImageClassifier(L.LightningModule):
         return self.network(x)
 
     # ----------------------------------------------------------------- steps
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         images, targets = batch
         recording = capture_attention(self.network.backbone) if self._needs_probs else contextlib.nullcontext([])
         with recording as probs:
@@ -116,7 +116,7 @@ class ImageClassifier(L.LightningModule):
         self.log("train/loss", total, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
-        return total
+        return {"loss": total, "task_loss": task.detach()}
 
     def _evaluate(self, batch, stage: str, metric: MulticlassAccuracy) -> None:
         images, labels = batch

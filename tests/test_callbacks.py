@@ -20,6 +20,10 @@ def test_detector_counts_spikes_and_flags_divergence():
     assert detector.update(1e4, 5) and detector.diverged_at_step == 5 and "running loss" in detector.reason
     fresh = DivergenceDetector()
     assert fresh.update(math.nan, 7) and fresh.diverged_at_step == 7 and "non-finite" in fresh.reason
+    late = DivergenceDetector(warmup_steps=0)  # a loss near zero: noise is neither a spike nor divergence
+    for step, loss in enumerate([1e-3] * 10 + [0.25, 1e-3]):
+        assert not late.update(loss, step)
+    assert late.spikes == 0
 
 
 class NaNAt(Stabilizer):
@@ -81,3 +85,12 @@ def test_measuring_does_not_change_the_run_it_measures(tmp_path):
               "--robustness.every_n_epochs", every, "--robustness.num_points", "8", "--robustness.pgd_steps", "2"])
         losses.append(scalars(tmp_path / runs_dir / "digits" / "vit" / "none" / "version_0", "val/loss"))
     assert losses[0] == losses[1]
+
+
+def test_a_regulariser_that_makes_the_total_loss_negative_is_not_divergence(tmp_path):
+    os.chdir(tmp_path)  # λ·Σ log g1 < 0: the total is negative from the first step
+    main(["fit", *QUICK, *SMALL_VIT, "--stabilizer", "jasmin", "--jasmin.lam", "1.0", "--jasmin.k", "0",
+          "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "12", "--lipschitz.every_n_epochs", "0",
+          "--robustness.every_n_epochs", "0"])
+    run = tmp_path / "runs" / "digits" / "vit" / "jasmin" / "version_0"
+    assert scalars(run, "train/loss_epoch")[0] < 0 and not (run / "diverged.json").exists()

@@ -1,6 +1,6 @@
 """Training-stability signals: gradient norms (global, per block), max |activation| per block,
-loss spikes, and divergence — a non-finite loss or one above ``divergence_factor`` × its running
-value stops the run cleanly and records where and why (a result, not a crash)."""
+loss spikes, and divergence — a non-finite loss or a task loss above ``divergence_factor`` × its
+running value stops the run cleanly and records where and why (a result, not a crash)."""
 from __future__ import annotations
 
 import json
@@ -19,14 +19,16 @@ from ..models import residual_sites
 class DivergenceDetector:
     """Running loss (exponential average with ``beta``), spike count, divergence verdict.
 
-    A loss above ``spike_factor`` × running value counts as a spike; a non-finite loss or one
-    above ``divergence_factor`` × running value is divergence. The first ``warmup_steps``
-    losses only feed the running value."""
+    The reference is max(running loss, ``min_reference``), so that a loss near zero late in
+    training does not turn ordinary noise into "spikes". A loss above ``spike_factor`` ×
+    reference counts as a spike; a non-finite loss or one above ``divergence_factor`` ×
+    reference is divergence. The first ``warmup_steps`` losses only feed the running value."""
 
     spike_factor: float = 3.0
     divergence_factor: float = 100.0
     beta: float = 0.9
     warmup_steps: int = 5
+    min_reference: float = 0.1
     running: Optional[float] = None
     steps: int = 0
     spikes: int = 0
@@ -41,11 +43,12 @@ class DivergenceDetector:
             self.diverged_at_step, self.reason = step, f"non-finite loss ({loss})"
             return True
         if self.running is not None and self.steps > self.warmup_steps:
-            if loss > self.divergence_factor * self.running:
+            reference = max(self.running, self.min_reference)
+            if loss > self.divergence_factor * reference:
                 self.diverged_at_step = step
-                self.reason = f"loss {loss:.4g} > {self.divergence_factor:g} × running loss {self.running:.4g}"
+                self.reason = f"loss {loss:.4g} > {self.divergence_factor:g} × running loss {reference:.4g}"
                 return True
-            if loss > self.spike_factor * self.running:
+            if loss > self.spike_factor * reference:
                 self.spikes += 1
         self.running = loss if self.running is None else self.beta * self.running + (1 - self.beta) * loss
         return False
@@ -110,10 +113,13 @@ class TrainingStability(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._recording = False
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is None:
+        if not isinstance(outputs, dict) or outputs.get("loss") is None:
             return
-        if self.detector.update(float(loss), self._step):
+        total = float(outputs["loss"])
+        # The ratio test watches the task loss (a regulariser can make the total negative);
+        # a non-finite total is divergence all the same.
+        loss = total if not math.isfinite(total) else float(outputs.get("task_loss", total))
+        if self.detector.update(loss, self._step):
             trainer.should_stop = True
             self._record_divergence(trainer)
         pl_module.log("stability/loss_spikes", float(self.detector.spikes), on_step=True, on_epoch=False)
