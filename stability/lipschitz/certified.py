@@ -14,6 +14,18 @@ Implemented for the ViT backbone (timm ``VisionTransformer``) when every factor 
 * MLP: ‖W_2‖ · Lip(act) · ‖W_1‖ with Lip(GELU) = 1.1289…;
 * pooling (class token or mean) is 1-Lipschitz in the Frobenius norm over tokens.
 
+For Newhouse et al.'s Lipschitz transformer (``muon`` with ``lipschitz_transformer``: no norms,
+convex residuals x ← (1−a)x + a·f(x), heads (1/3)·softmax(s·QKᵀ/d)·V, GELU/1.1289) dot-product
+attention is Lipschitz only on bounded inputs, so the bound holds on the image domain [0, 1]ⁿ:
+a per-token norm bound r is propagated from the pixel box (embedding: ‖W_e‖·max‖patch‖ +
+‖b_e + pos_i‖; attention: ‖W_O‖·⅓·√Σ_h(‖W_V^h‖r + ‖b_V^h‖)² + ‖b_O‖; MLP: ‖W₂‖(‖W₁‖r + ‖b₁‖) +
+‖b₂‖; residual (1−a)r + a·r_f), and one head on {X : ‖x_i‖ ≤ r} has
+
+    Lip_h ≤ √N‖W_V‖ + (s·N / 2d)·r_v·(‖W_K‖·r_q + ‖W_Q‖·r_k),   r_• = ‖W_•‖r + ‖b_•‖
+
+(differentiating P·V: ‖P‖₂ ≤ √N for a row-stochastic P, ‖M(P_i)‖₂ ≤ g₁ ≤ ½ (JaSMin, Thm 4),
+‖V‖₂ ≤ √N·r_v, ‖K‖₂ ≤ √N·r_k; rows combined by Minkowski's inequality).
+
 Returns None with the reason when a factor is unbounded; never a made-up number.
 """
 from __future__ import annotations
@@ -27,7 +39,8 @@ from torch import nn
 
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import KernelAttention, ScaledCosineKernel, scsa_lipschitz_bound
-from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, ScaledGELU
+from ..nn.cosine_attention import LipschitzDotKernel
+from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, ConvexResidualBlock, ScaledGELU
 
 
 class Unbounded(Exception):
@@ -106,9 +119,70 @@ def vit_bound(network: nn.Module) -> float:
     return bound * sigma(backbone.head.weight)
 
 
+def _norm(t: torch.Tensor | None) -> float:
+    return 0.0 if t is None else float(t.detach().double().norm())
+
+
+def _head_parts(attn: nn.Module, part: int, h: int) -> tuple[float, float]:
+    """(‖W‖₂, ‖b‖) of the q (0), k (1) or v (2) projection of head h."""
+    width = attn.num_heads * attn.head_dim
+    rows = slice(part * width + h * attn.head_dim, part * width + (h + 1) * attn.head_dim)
+    bias = attn.qkv.bias[rows] if attn.qkv.bias is not None else None
+    return sigma(attn.qkv.weight[rows]), _norm(bias)
+
+
+def lipschitz_transformer_bound(network: nn.Module) -> float:
+    """Bound on [0, 1]ⁿ for the ViT with the Lipschitz-transformer architecture (module docstring)."""
+    backbone = network.backbone
+    if not isinstance(backbone, VisionTransformer):
+        raise Unbounded(f"certified bounds are implemented for the ViT backbone, not {type(backbone).__name__}")
+    proj = backbone.patch_embed.proj
+    if tuple(proj.stride) != tuple(proj.kernel_size) or not isinstance(backbone.patch_embed.norm, nn.Identity):
+        raise Unbounded("patch embedding with overlap or a norm")
+    mean, std = network.mean.flatten().double(), network.std.flatten().double()
+    pixel = torch.maximum(mean, 1 - mean) / std  # largest |normalised pixel| per channel
+    patch_norm = float((pixel.pow(2) * proj.kernel_size[0] * proj.kernel_size[1]).sum().sqrt())
+    pos = backbone.pos_embed.detach().double()[0] if backbone.pos_embed is not None else torch.zeros(1, 1)
+    bias = proj.bias.detach().double() if proj.bias is not None else torch.zeros(pos.shape[-1], dtype=torch.float64)
+    prefix = backbone.num_prefix_tokens
+    r = sigma(proj.weight) * patch_norm + float((bias + pos[prefix:]).norm(dim=-1).max())
+    if prefix:
+        cls = backbone.cls_token.detach().double()[0, 0] + (pos[0] if not backbone.no_embed_class else 0)
+        r = max(r, float(cls.norm()))
+    bound = sigma(proj.weight) / float(network.std.min())
+    tokens = backbone.patch_embed.num_patches + prefix
+    for wrapper in backbone.blocks:
+        if not isinstance(wrapper, ConvexResidualBlock):
+            raise Unbounded("a block without the convex residual")
+        block, a = wrapper.block, wrapper.a
+        attn = block.attn
+        if not isinstance(getattr(attn, "kernel", None), LipschitzDotKernel):
+            raise Unbounded("attention other than the Lipschitz transformer's dot-product kernel")
+        s, d = attn.kernel.s, attn.head_dim
+        heads, outs = [], []
+        for h in range(attn.num_heads):
+            (wq, bq), (wk, bk), (wv, bv) = (_head_parts(attn, p, h) for p in range(3))
+            r_q, r_k, r_v = wq * r + bq, wk * r + bk, wv * r + bv
+            heads.append(math.sqrt(tokens) * wv + s * tokens / (2 * d) * r_v * (wk * r_q + wq * r_k))
+            outs.append(r_v)
+        w_o = sigma(attn.proj.weight)
+        lip_att = w_o / 3 * math.sqrt(sum(x * x for x in heads)) * norm_lipschitz(block.norm1)
+        r_att = w_o / 3 * math.sqrt(sum(x * x for x in outs)) + _norm(attn.proj.bias)
+        bound *= (1 - a) + a * lip_att
+        r = (1 - a) * r + a * r_att
+        mlp = block.mlp
+        bound *= (1 - a) + a * mlp_lipschitz(mlp) * norm_lipschitz(block.norm2)
+        r_mlp = sigma(mlp.fc2.weight) * (sigma(mlp.fc1.weight) * r + _norm(mlp.fc1.bias)) + _norm(mlp.fc2.bias)
+        r = (1 - a) * r + a * r_mlp
+    bound *= norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm)
+    return bound * sigma(backbone.head.weight)
+
+
 def certified_bound(network: nn.Module) -> tuple[float | None, str]:
     """(bound, "") or (None, reason)."""
+    blocks = getattr(network.backbone, "blocks", None)
+    convex = blocks is not None and len(blocks) and isinstance(blocks[0], ConvexResidualBlock)
     try:
-        return vit_bound(network), ""
+        return (lipschitz_transformer_bound(network) if convex else vit_bound(network)), ""
     except Unbounded as reason:
         return None, str(reason)

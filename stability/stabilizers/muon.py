@@ -21,7 +21,7 @@ for N blocks, attention (1/3)·W_O·softmax(s·QKᵀ/d)·V, and GELU/1.1289. Dro
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -102,6 +102,13 @@ class MuonConstrained(Stabilizer):
         for name in block_names:
             replace_submodule(backbone, name, ConvexResidualBlock(backbone.get_submodule(name),
                                                                   1.0 / (2 * len(block_names))))
+
+    def lipschitz_bound(self, network: nn.Module) -> Optional[float]:
+        """Certified bound on [0, 1]ⁿ for the Lipschitz-transformer ViT (stability.lipschitz.certified);
+        None for other architectures (LayerNorm and dot-product attention have no global bound)."""
+        from ..lipschitz.certified import certified_bound
+
+        return certified_bound(network)[0] if self.lipschitz_transformer else None
 
     def build_optimizer(self, network, default):
         """Muon (or AdamW) on the hidden matrices, the module's default optimizer on the rest."""
