@@ -107,8 +107,8 @@ def main() -> None:
         print(f"{label}: val acc {accuracy:.3f} ({seconds:.0f} s)", flush=True)
     keys = list(rows[0][2])
     lines = [f"# Stabilizers on digits (micro ViT, {args.epochs} epochs, seed {args.seed})", "",
-             "Made by `python experiments/stabilizers_digits.py --epochs "
-             f"{args.epochs} --seed {args.seed}` on a 2-core CPU. Quantities are measured on the final "
+             f"Made by `python experiments/stabilizers_digits.py --epochs {args.epochs} --seed {args.seed} "
+             f"--attack_points {args.attack_points}` on a 2-core CPU. Quantities are measured on the final "
              "weights and the 270 validation images; val accuracy on the same images.", "",
              "| stabilizer | val acc | " + " | ".join(keys) + " | fit time (s) |",
              "|---" * (len(keys) + 3) + "|"]
