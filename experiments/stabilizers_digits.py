@@ -118,7 +118,8 @@ def main() -> None:
     robust_keys = list(rows[0][4])
     lines += ["", f"Lipschitz and robustness on the first {args.attack_points} validation images: local = exact "
               "‖J(x)‖₂ of input→logits in pixel units; certified = the composed global bound where one exists "
-              "(LipsFormer on ViT), else none; accuracies are fractions; AutoAttack is torchattacks' version.", "",
+              "(LipsFormer on ViT; the Lipschitz-transformer ViT, on [0, 1]ⁿ), else none; accuracies are fractions; "
+              "AutoAttack is torchattacks' version.", "",
               "| stabilizer | " + " | ".join(robust_keys) + " |", "|---" * (len(robust_keys) + 1) + "|"]
     for label, _, _, _, robust in rows:
         lines.append(f"| {label} | " + " | ".join(v if isinstance(v, str) else f"{v:.4g}" for v in robust.values())
