@@ -37,6 +37,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from ..models import AttentionSite
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import KernelAttention, ScaledCosineKernel, scsa_lipschitz_bound
 from ..nn.cosine_attention import LipschitzDotKernel
@@ -82,11 +83,10 @@ def attention_lipschitz(attn: nn.Module, tokens: int) -> float:
     if not kernel.normalize_v:
         raise Unbounded("cosine attention without V normalisation is not Lipschitz (LipsFormer, Sec. 4.1.2)")
     tau, nu = abs(float(kernel.tau.detach())), abs(float(kernel.nu.detach()))
+    site = AttentionSite("", attn)
     heads = []
     for h in range(attn.num_heads):
-        rows = [slice(p * attn.num_heads * attn.head_dim + h * attn.head_dim,
-                      p * attn.num_heads * attn.head_dim + (h + 1) * attn.head_dim) for p in range(3)]
-        w_q, w_k, w_v = (sigma(attn.qkv.weight[r]) for r in rows)
+        w_q, w_k, w_v = (sigma(site.head_weight(part, h)) for part in "qkv")
         heads.append(scsa_lipschitz_bound(tokens, tau, nu, kernel.eps, w_q, w_k, w_v))
     return sigma(attn.proj.weight) * kernel.head_factor * math.sqrt(sum(h * h for h in heads))
 
@@ -123,10 +123,9 @@ def _norm(t: torch.Tensor | None) -> float:
     return 0.0 if t is None else float(t.detach().double().norm())
 
 
-def _head_parts(attn: nn.Module, part: int, h: int) -> tuple[float, float]:
-    """(‖W‖₂, ‖b‖) of the q (0), k (1) or v (2) projection of head h."""
-    width = attn.num_heads * attn.head_dim
-    rows = slice(part * width + h * attn.head_dim, part * width + (h + 1) * attn.head_dim)
+def _head_parts(attn: nn.Module, part: str, h: int) -> tuple[float, float]:
+    """(‖W‖₂, ‖b‖) of the ``part`` ('q', 'k' or 'v') projection of head h."""
+    rows = AttentionSite("", attn).head_rows(part, h)
     bias = attn.qkv.bias[rows] if attn.qkv.bias is not None else None
     return sigma(attn.qkv.weight[rows]), _norm(bias)
 
@@ -161,7 +160,7 @@ def lipschitz_transformer_bound(network: nn.Module) -> float:
         s, d = attn.kernel.s, attn.head_dim
         heads, outs = [], []
         for h in range(attn.num_heads):
-            (wq, bq), (wk, bk), (wv, bv) = (_head_parts(attn, p, h) for p in range(3))
+            (wq, bq), (wk, bk), (wv, bv) = (_head_parts(attn, part, h) for part in "qkv")
             r_q, r_k, r_v = wq * r + bq, wk * r + bk, wv * r + bv
             heads.append(math.sqrt(tokens) * wv + s * tokens / (2 * d) * r_v * (wk * r_q + wq * r_k))
             outs.append(r_v)
