@@ -121,15 +121,28 @@ class StabilityCLI(LightningCLI):
         parser.add_lightning_class_args(RobustnessMonitor, "robustness")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
-        """Parse; with ``--ckpt_path``, parse again with the checkpoint's model, stabilizer and data
-        settings as defaults, so the network is rebuilt as trained and command-line overrides still win."""
+        """Parse, then parse again where defaults must change:
+
+        * with ``--ckpt_path``, the checkpoint's model, stabilizer and data settings become the
+          defaults, so the network is rebuilt as trained and command-line overrides still win;
+        * when the data class is not the default one, that class becomes the default, so that its
+          own defaults apply — jsonargparse otherwise carries the options the classes share
+          (e.g. Digits' ``random_crop: 0`` into CIFAR10) over from the default class.
+        """
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
-        ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
-        if not ckpt_path or not Path(ckpt_path).is_file() or isinstance(args, (dict, Namespace)):
+        if not subcommand or isinstance(args, (dict, Namespace)):
             return
-        self._subcommand_parsers[subcommand].set_defaults(checkpoint_defaults(ckpt_path))
-        super().parse_arguments(parser, args)
+        defaults: dict[str, Any] = {}
+        ckpt_path = self.config[subcommand].get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).is_file():
+            defaults.update(checkpoint_defaults(ckpt_path))
+        data = self.config[subcommand].get("data")
+        if "data" not in defaults and data is not None and data.class_path != DEFAULT_DATA:
+            defaults["data"] = {"class_path": data.class_path}
+        if defaults:
+            self._subcommand_parsers[subcommand].set_defaults(defaults)
+            super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments` instead (Lightning's version lets the checkpoint override the CLI)."""

@@ -149,3 +149,16 @@ def test_missing_cifar_data_is_a_clear_error(tmp_path, capsys):
         main(["fit", *QUICK, "--data", "CIFAR10", "--data.root", str(tmp_path / "data")])
     assert exit_info.value.code == 2
     assert "--data.download true" in capsys.readouterr().err
+
+
+def test_switching_data_class_does_not_carry_the_default_class_options(tmp_path):
+    from test_data import _write_cifar
+
+    _write_cifar(tmp_path / "data", "cifar10")
+    os.chdir(tmp_path)
+    main(["fit", *QUICK, *SMALL_VIT, "--data", "CIFAR10", "--data.root", "data", "--data.batch_size", "8",
+          "--trainer.max_epochs", "1", "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"])
+    saved = yaml.safe_load((tmp_path / "runs" / "cifar10" / "vit" / "none" / "version_0" / "config.yaml").read_text())
+    init = saved["data"]["init_args"]
+    # CIFAR10's own defaults, not Digits' (random_crop 0, no flip, val_fraction 0.15); the override still applies
+    assert (init["random_crop"], init["horizontal_flip"], init["val_fraction"], init["batch_size"]) == (4, True, 0.1, 8)
