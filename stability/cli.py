@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -86,6 +87,27 @@ def checkpoint_defaults(ckpt_path: str) -> dict[str, Any]:
     return defaults
 
 
+def requested_data_class(argv: list[str]) -> Optional[str]:
+    """The data class named by ``--data X`` or by ``data: class_path`` in a ``--config`` file (last wins)."""
+    found = None
+    for i, arg in enumerate(argv):
+        key, _, value = arg.partition("=")
+        if not value and i + 1 < len(argv):
+            value = argv[i + 1]
+        if key in ("--config", "-c") and Path(value).is_file():
+            loaded = yaml.safe_load(Path(value).read_text()) or {}
+            for section in (loaded, *(v for v in loaded.values() if isinstance(v, dict))):
+                data = section.get("data") if isinstance(section, dict) else None
+                if isinstance(data, dict) and data.get("class_path"):
+                    found = data["class_path"]
+                    break
+        elif key == "--data" and value and not value.lstrip().startswith("{"):
+            found = value
+    if found is not None and "." not in found:
+        found = f"stability.data.{found}"
+    return found
+
+
 class StabilityCLI(LightningCLI):
     def __init__(self, args: Optional[list[str]] = None, run: bool = True, **kwargs: Any) -> None:
         super().__init__(
@@ -121,28 +143,27 @@ class StabilityCLI(LightningCLI):
         parser.add_lightning_class_args(RobustnessMonitor, "robustness")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
-        """Parse, then parse again where defaults must change:
+        """Parse with two changes of defaults:
 
-        * with ``--ckpt_path``, the checkpoint's model, stabilizer and data settings become the
-          defaults, so the network is rebuilt as trained and command-line overrides still win;
-        * when the data class is not the default one, that class becomes the default, so that its
-          own defaults apply — jsonargparse otherwise carries the options the classes share
-          (e.g. Digits' ``random_crop: 0`` into CIFAR10) over from the default class.
+        * the data class asked for (``--data X`` or ``data: class_path`` in a ``--config``) is made the
+          default before parsing, so that its own defaults apply — jsonargparse otherwise carries the
+          options the classes share (e.g. Digits' ``random_crop: 0`` into CIFAR10) over from the
+          default class, in the run and in ``--print_config`` alike;
+        * with ``--ckpt_path``, parse again with the checkpoint's model, stabilizer and data settings
+          as defaults, so the network is rebuilt as trained and command-line overrides still win.
         """
+        if not isinstance(args, (dict, Namespace)):
+            data_class = requested_data_class(sys.argv[1:] if args is None else list(args))
+            if data_class is not None:
+                for subparser in self._subcommand_parsers.values():
+                    subparser.set_defaults({"data": {"class_path": data_class}})
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
-        if not subcommand or isinstance(args, (dict, Namespace)):
+        ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
+        if not ckpt_path or not Path(ckpt_path).is_file() or isinstance(args, (dict, Namespace)):
             return
-        defaults: dict[str, Any] = {}
-        ckpt_path = self.config[subcommand].get("ckpt_path")
-        if ckpt_path and Path(ckpt_path).is_file():
-            defaults.update(checkpoint_defaults(ckpt_path))
-        data = self.config[subcommand].get("data")
-        if "data" not in defaults and data is not None and data.class_path != DEFAULT_DATA:
-            defaults["data"] = {"class_path": data.class_path}
-        if defaults:
-            self._subcommand_parsers[subcommand].set_defaults(defaults)
-            super().parse_arguments(parser, args)
+        self._subcommand_parsers[subcommand].set_defaults(checkpoint_defaults(ckpt_path))
+        super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments` instead (Lightning's version lets the checkpoint override the CLI)."""

@@ -162,3 +162,12 @@ def test_switching_data_class_does_not_carry_the_default_class_options(tmp_path)
     init = saved["data"]["init_args"]
     # CIFAR10's own defaults, not Digits' (random_crop 0, no flip, val_fraction 0.15); the override still applies
     assert (init["random_crop"], init["horizontal_flip"], init["val_fraction"], init["batch_size"]) == (4, True, 0.1, 8)
+
+
+def test_print_config_shows_the_chosen_data_class_defaults(tmp_path, capsys):
+    printed = print_config(capsys, "--data", "CIFAR10")
+    assert printed["data"]["init_args"]["random_crop"] == 4 and printed["data"]["init_args"]["val_fraction"] == 0.1
+    config = tmp_path / "c100.yaml"
+    config.write_text("data:\n  class_path: stability.data.CIFAR100\n")
+    printed = print_config(capsys, "--config", str(config))
+    assert printed["data"]["init_args"]["horizontal_flip"] is True
