@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from stability.classifier import ImageClassifier
+from stability.cli import DIVERGED_EXIT_CODE
 from stability.data import Digits
 from stability.lipschitz import jacobian_norm
 from stability.lipschitz.certified import certified_bound
@@ -47,9 +48,7 @@ RUNS = [  # (label, extra CLI arguments)
 ]
 
 
-def measure(ckpt: Path, images: torch.Tensor) -> dict[str, float]:
-    module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").eval()
-    net = module.network
+def measure(net: torch.nn.Module, images: torch.Tensor) -> dict[str, float]:
     with torch.no_grad(), capture_attention(net.backbone) as probs:
         net(images)
     sites = attention_sites(net)
@@ -68,8 +67,7 @@ ATTACKS = [AttackSpec("fgsm", "Linf", 2 / 255), AttackSpec("fgsm", "Linf", 8 / 2
            AttackSpec("autoattack", "Linf", 2 / 255)]
 
 
-def measure_robustness(ckpt: Path, images: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    network = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").network.eval()
+def measure_robustness(network: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     local = jacobian_norm(network, images, method="exact")
     bound, _ = certified_bound(network)
     values = {"local mean": float(local.mean()), "local max": float(local.max()),
@@ -96,14 +94,19 @@ def main() -> None:
                    "--trainer.max_epochs", str(args.epochs), "--seed_everything", str(args.seed),
                    "--runs_dir", runs_dir, "--trainer.enable_progress_bar", "false"]
         start = time.time()
-        subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode not in (0, DIVERGED_EXIT_CODE):
+            raise RuntimeError(f"{label}: stability fit failed:\n{done.stderr[-2000:]}")
+        if done.returncode == DIVERGED_EXIT_CODE:  # a result, recorded as such
+            label += " (diverged)"
         seconds = time.time() - start
         ckpt = max((ROOT / runs_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
         module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").eval()
         with torch.no_grad():
             accuracy = float((module(images).argmax(-1) == data.val_set.tensors[1]).float().mean())
-        rows.append((label, accuracy, measure(ckpt, images), seconds,
-                     measure_robustness(ckpt, images[:args.attack_points], data.val_set.tensors[1][:args.attack_points])))
+        rows.append((label, accuracy, measure(module.network, images), seconds,
+                     measure_robustness(module.network, images[:args.attack_points],
+                                        data.val_set.tensors[1][:args.attack_points])))
         print(f"{label}: val acc {accuracy:.3f} ({seconds:.0f} s)", flush=True)
     keys = list(rows[0][2])
     lines = [f"# Stabilizers on digits (micro ViT, {args.epochs} epochs, seed {args.seed})", "",

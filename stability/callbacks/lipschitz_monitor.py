@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..lipschitz import empirical_lower_bound, jacobian_norm
 from ..lipschitz.attention import attention_diagnostics
-from ..nn.constraints import rms_norm
+from ..nn.spectral import rms_scale
 from .subset import first_points
 
 
@@ -90,8 +90,9 @@ class LipschitzMonitor(L.Callback):
             for name, module in pl_module.network.named_modules():
                 if isinstance(module, torch.nn.Linear):
                     weight = module.weight.detach().float()
-                    metrics[f"weights/sigma/{name}"] = float(torch.linalg.matrix_norm(weight, ord=2))
-                    metrics[f"weights/rms/{name}"] = rms_norm(weight)
+                    sigma = float(torch.linalg.matrix_norm(weight, ord=2))
+                    metrics[f"weights/sigma/{name}"] = sigma
+                    metrics[f"weights/rms/{name}"] = sigma * rms_scale(weight)  # one SVD for both
         pl_module.log_dict(metrics)
         for logger in trainer.loggers:
             if hasattr(logger.experiment, "add_histogram"):

@@ -91,20 +91,31 @@ def attention_lipschitz(attn: nn.Module, tokens: int) -> float:
     return sigma(attn.proj.weight) * kernel.head_factor * math.sqrt(sum(h * h for h in heads))
 
 
-def branch_scale(module: nn.Module) -> tuple[float, nn.Module]:
+def branch_scale(module: nn.Module) -> float:
     """max|α| of a weighted residual wrapped around the DropPath slot (1 when there is none)."""
     if isinstance(module, nn.Sequential) and hasattr(module[0], "alpha"):
-        return float(module[0].alpha.detach().abs().max()), module
-    return 1.0, module
+        return float(module[0].alpha.detach().abs().max())
+    return 1.0
 
 
-def vit_bound(network: nn.Module) -> float:
+def _vit(network: nn.Module) -> tuple[VisionTransformer, nn.Conv2d]:
+    """The ViT backbone and its patch convolution, which must not overlap (else: Unbounded)."""
     backbone = network.backbone
     if not isinstance(backbone, VisionTransformer):
         raise Unbounded(f"certified bounds are implemented for the ViT backbone, not {type(backbone).__name__}")
     proj = backbone.patch_embed.proj
     if tuple(proj.stride) != tuple(proj.kernel_size):
         raise Unbounded("overlapping patch embedding")
+    return backbone, proj
+
+
+def _head_factor(backbone: VisionTransformer) -> float:
+    """Final norms (pooling is 1-Lipschitz) and the classifier head."""
+    return norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm) * sigma(backbone.head.weight)
+
+
+def vit_bound(network: nn.Module) -> float:
+    backbone, proj = _vit(network)
     bound = 1.0 / float(network.std.min()) * sigma(proj.weight) * norm_lipschitz(backbone.patch_embed.norm)
     tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
     for block in backbone.blocks:
@@ -112,11 +123,10 @@ def vit_bound(network: nn.Module) -> float:
                                                 ("drop_path2", block.norm2, block.mlp, block.ls2)):
             if not isinstance(layer_scale, nn.Identity):
                 raise Unbounded("LayerScale is not accounted for")
-            alpha, _ = branch_scale(getattr(block, attr))
+            alpha = branch_scale(getattr(block, attr))
             f = attention_lipschitz(branch, tokens) if attr == "drop_path1" else mlp_lipschitz(branch)
             bound *= 1.0 + alpha * f * norm_lipschitz(norm)
-    bound *= norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm)
-    return bound * sigma(backbone.head.weight)
+    return bound * _head_factor(backbone)
 
 
 def _norm(t: torch.Tensor | None) -> float:
@@ -132,12 +142,9 @@ def _head_parts(attn: nn.Module, part: str, h: int) -> tuple[float, float]:
 
 def lipschitz_transformer_bound(network: nn.Module) -> float:
     """Bound on [0, 1]ⁿ for the ViT with the Lipschitz-transformer architecture (module docstring)."""
-    backbone = network.backbone
-    if not isinstance(backbone, VisionTransformer):
-        raise Unbounded(f"certified bounds are implemented for the ViT backbone, not {type(backbone).__name__}")
-    proj = backbone.patch_embed.proj
-    if tuple(proj.stride) != tuple(proj.kernel_size) or not isinstance(backbone.patch_embed.norm, nn.Identity):
-        raise Unbounded("patch embedding with overlap or a norm")
+    backbone, proj = _vit(network)
+    if not isinstance(backbone.patch_embed.norm, nn.Identity):
+        raise Unbounded("a norm in the patch embedding")
     mean, std = network.mean.flatten().double(), network.std.flatten().double()
     pixel = torch.maximum(mean, 1 - mean) / std  # largest |normalised pixel| per channel
     patch_norm = float((pixel.pow(2) * proj.kernel_size[0] * proj.kernel_size[1]).sum().sqrt())
@@ -173,8 +180,7 @@ def lipschitz_transformer_bound(network: nn.Module) -> float:
         bound *= (1 - a) + a * mlp_lipschitz(mlp) * norm_lipschitz(block.norm2)
         r_mlp = sigma(mlp.fc2.weight) * (sigma(mlp.fc1.weight) * r + _norm(mlp.fc1.bias)) + _norm(mlp.fc2.bias)
         r = (1 - a) * r + a * r_mlp
-    bound *= norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm)
-    return bound * sigma(backbone.head.weight)
+    return bound * _head_factor(backbone)
 
 
 def certified_bound(network: nn.Module) -> tuple[float | None, str]:
