@@ -127,6 +127,12 @@ class StabilityCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--runs_dir", type=str, default="runs",
                             help="root of the run directories <runs_dir>/<data>/<backbone>/<stabilizers>/version_N")
+        parser.add_argument("--run_dir", type=Optional[str], default=None,
+                            help="write this run exactly here (events, config.yaml, checkpoints/) instead of "
+                                 "<runs_dir>/.../version_N; sweeps use it")
+        parser.add_argument("--test_after_fit", type=bool, default=False,
+                            help="after fit, run the test set with the test-time measurements on the final "
+                                 "weights (skipped for a diverged run)")
         parser.add_argument("--stabilizer", type=Union[str, list[str]], default="none",
                             help=f"stabilizer name(s), comma-separated or a list; valid: {sorted(REGISTRY)}")
         groups = _option_groups()
@@ -169,16 +175,35 @@ class StabilityCLI(LightningCLI):
         """Done in :meth:`parse_arguments` instead (Lightning's version lets the checkpoint override the CLI)."""
 
     def instantiate_trainer(self, **kwargs: Any):
-        """Default logger: TensorBoard under <runs_dir>/<data>/<backbone>/<stabilizers>/version_N."""
+        """Default logger: TensorBoard under <runs_dir>/<data>/<backbone>/<stabilizers>/version_N,
+        or exactly in ``--run_dir``."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.trainer.get("logger") is None and "logger" not in kwargs:
-            kwargs["logger"] = TensorBoardLogger(
-                save_dir=config.runs_dir, name=f"{self.datamodule.name}/{self.model.run_name}",
-                default_hp_metric=False)
+            if config.get("run_dir"):
+                kwargs["logger"] = TensorBoardLogger(save_dir=config.run_dir, name="", version="",
+                                                     default_hp_metric=False)
+            else:
+                kwargs["logger"] = TensorBoardLogger(
+                    save_dir=config.runs_dir, name=f"{self.datamodule.name}/{self.model.run_name}",
+                    default_hp_metric=False)
         return super().instantiate_trainer(**kwargs)
+
+    def after_fit(self) -> None:
+        """``--test_after_fit``: test the final weights in the same run (same events file)."""
+        if not self.config.fit.get("test_after_fit"):
+            return
+        monitor = next((c for c in self.trainer.callbacks if isinstance(c, TrainingStability)), None)
+        if monitor is not None and monitor.diverged:
+            return
+        self.trainer.test(self.model, datamodule=self.datamodule)
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] in ("sweep", "report"):  # our own subcommands, beside Lightning's
+        import importlib
+
+        raise SystemExit(importlib.import_module(f"stability.{argv[0]}").main(argv[1:]))
     try:
         cli = StabilityCLI(args=args)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback

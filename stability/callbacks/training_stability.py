@@ -1,10 +1,12 @@
 """Training-stability signals: gradient norms (global, per block), max |activation| per block,
-loss spikes, and divergence — a non-finite loss or a task loss above ``divergence_factor`` × its
+loss spikes, the time the training steps of an epoch took (``time/train_epoch_s``: forward,
+backward and optimizer step, without data loading, validation or measurements), and divergence — a non-finite loss or a task loss above ``divergence_factor`` × its
 running value stops the run cleanly and records where and why (a result, not a crash)."""
 from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -73,6 +75,8 @@ class TrainingStability(L.Callback):
         self._blocks: dict = {}
         self._recording = False
         self._step = 0
+        self._batch_started = 0.0
+        self._epoch_seconds = 0.0
 
     @property
     def diverged(self) -> bool:
@@ -96,6 +100,13 @@ class TrainingStability(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._recording = self._measuring(trainer)
         self._step = trainer.global_step  # the step this batch's loss belongs to
+        self._batch_started = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._epoch_seconds = 0.0
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("time/train_epoch_s", self._epoch_seconds, on_step=False, on_epoch=True)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self._measuring(trainer):
@@ -113,6 +124,9 @@ class TrainingStability(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._recording = False
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self._epoch_seconds += time.perf_counter() - self._batch_started
         if not isinstance(outputs, dict) or outputs.get("loss") is None:
             return
         total = float(outputs["loss"])
