@@ -387,7 +387,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--emit", choices=("commands", "slurm"),
                    help="write one command per run (commands.txt) or a SLURM job-array script, run nothing")
     p.add_argument("--slurm_option", action="append", default=[],
-                   help='extra "#SBATCH" line for --emit slurm, e.g. "--gres=gpu:1" (repeat)')
+                   help='extra "#SBATCH" line for --emit slurm, e.g. --slurm_option=--gres=gpu:1 (repeat)')
     return p
 
 

@@ -94,3 +94,15 @@ def test_a_regulariser_that_makes_the_total_loss_negative_is_not_divergence(tmp_
           "--robustness.every_n_epochs", "0"])
     run = tmp_path / "runs" / "digits" / "vit" / "jasmin" / "version_0"
     assert scalars(run, "train/loss_epoch")[0] < 0 and not (run / "diverged.json").exists()
+
+
+def test_monitors_skip_a_model_whose_weights_are_no_longer_finite(tmp_path):
+    """A run that diverges mid-epoch still validates at the epoch's end: the monitors must not crash
+    on its NaN weights (an SVD of them raises), so the run ends as 'diverged', not as an error."""
+    os.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *QUICK, *SMALL_VIT, "--model.optimizer", "sgd", "--model.lr", "1e5", "--trainer.max_epochs", "2",
+              "--lipschitz.num_points", "8", "--robustness.every_n_epochs", "1", "--robustness.num_points", "8"])
+    assert exit_info.value.code == DIVERGED_EXIT_CODE
+    run = tmp_path / "runs" / "digits" / "vit" / "none" / "version_0"
+    assert (run / "diverged.json").is_file()

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..lipschitz import empirical_lower_bound, jacobian_norm
 from ..lipschitz.attention import attention_diagnostics
 from ..nn.spectral import rms_scale
-from .subset import first_points
+from .subset import first_points, has_finite_weights
 
 
 class LipschitzMonitor(L.Callback):
@@ -74,6 +74,9 @@ class LipschitzMonitor(L.Callback):
         return metrics
 
     def _measure(self, trainer, pl_module, loaders, prefix: str) -> None:
+        if not has_finite_weights(pl_module):
+            rank_zero_info(f"lipschitz: weights are not finite (the run diverged); {prefix} not measured")
+            return
         loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
         images, _ = first_points(loader, self.num_points)
         was_training = pl_module.training

@@ -8,7 +8,7 @@ from typing import Sequence
 import lightning as L
 
 from ..robustness import ATTACKS, AttackSpec, robust_accuracy
-from .subset import first_points
+from .subset import first_points, has_finite_weights
 
 
 class RobustnessMonitor(L.Callback):
@@ -53,6 +53,8 @@ class RobustnessMonitor(L.Callback):
             self._evaluate(pl_module, trainer.test_dataloaders, self.test_attacks, "test_robust")
 
     def _evaluate(self, pl_module, loaders, attacks, prefix: str) -> None:
+        if not has_finite_weights(pl_module):  # a diverged run: nothing to attack
+            return
         loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
         images, labels = first_points(loader, self.num_points)
         results = robust_accuracy(pl_module.network, images.to(pl_module.device), labels.to(pl_module.device),

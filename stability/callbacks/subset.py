@@ -19,3 +19,9 @@ def first_points(loader, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not images:
         raise ValueError("the evaluation data loader is empty")
     return torch.cat(images)[:size], torch.cat(labels)[:size]
+
+
+def has_finite_weights(module: torch.nn.Module) -> bool:
+    """False once a run has diverged into inf/NaN weights: there is nothing left to measure (and
+    an SVD of such a weight raises)."""
+    return all(bool(torch.isfinite(p).all()) for p in module.parameters())

@@ -1,0 +1,206 @@
+"""`stability sweep` and `stability report`: grid expansion, resume after a kill, diverged runs,
+and a report made from the event files of real tiny runs."""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stability import report as report_module
+from stability.sweep import Spec, Sweep, load_spec, main as sweep_main
+from test_cli import scalars
+
+TINY = {  # a run of a few seconds: 1-layer 16-d ViT, 3 steps, small measurements
+    "model.backbone_options": {"embed_dim": 16, "depth": 1, "num_heads": 2},
+    "trainer.max_epochs": 1, "trainer.limit_train_batches": 3, "trainer.log_every_n_steps": 1, "trainer.enable_model_summary": False,
+    "lipschitz.num_points": 8, "lipschitz.iterations": 2, "lipschitz.attention": False,
+    "robustness.every_n_epochs": 1, "robustness.num_points": 8, "robustness.pgd_steps": 2,
+    "robustness.test_attacks": ["fgsm", "pgd"], "test_after_fit": True,
+}
+
+
+def cli(**overrides) -> argparse.Namespace:
+    defaults = {"name": None, "config": None, "set": None, "grid": None, "seeds": None}
+    return argparse.Namespace(**{**defaults, **overrides})
+
+
+def test_grid_expansion_crosses_variants_own_grids_shared_grid_and_seeds():
+    spec = Spec.from_dict({
+        "name": "s", "seeds": [0, 1],
+        "variants": [{"stabilizer": "none"},
+                     {"stabilizer": "jasmin", "grid": {"jasmin.lam": ["1e-2", "1e-3"], "jasmin.k": [0, 10]}}],
+        "grid": {"model.lr": [0.001, 0.01]}})
+    runs = spec.runs()
+    assert len(runs) == (1 + 4) * 2 * 2
+    assert runs[0].name == "stabilizer=none,model.lr=0.001,seed=0"
+    assert runs[1].name == "stabilizer=none,model.lr=0.001,seed=1"
+    assert runs[4].overrides == (("stabilizer", "jasmin"), ("jasmin.lam", "1e-2"), ("jasmin.k", 0), ("model.lr", 0.001))
+    assert len({r.name for r in runs}) == len(runs)
+    assert {r.configuration for r in runs if r.overrides[0][1] == "jasmin"} == {
+        f"stabilizer=jasmin, jasmin.lam={lam}, jasmin.k={k}, model.lr={lr}"
+        for lam in ("1e-2", "1e-3") for k in (0, 10) for lr in (0.001, 0.01)}
+
+
+def test_duplicate_configurations_run_once_and_long_names_stay_unique():
+    spec = Spec.from_dict({"name": "s", "variants": [{"a": 1}, {"a": 1}, {"b": "x" * 200}, {"b": "x" * 199}]})
+    names = [r.name for r in spec.runs()]
+    assert len(names) == 3 and all(len(n) <= 120 for n in names) and len(set(names)) == 3
+
+
+def test_command_line_form_and_overrides(tmp_path):
+    spec = load_spec(None, cli(name="lr", config=["configs/vit_digits.yaml"], seeds="3,4",
+                               grid=["model.lr=1e-3,0.01", "stabilizer=[lipsformer,jasmin],none"],
+                               set=["trainer.max_epochs=2", "model.backbone_options={embed_dim: 16}"]))
+    assert [dict(r.overrides)["stabilizer"] for r in spec.runs()][:4] == [["lipsformer", "jasmin"]] * 2 + ["none"] * 2
+    assert [r.seed for r in spec.runs()][:2] == [3, 4] and len(spec.runs()) == 8
+    cmd = spec.command(spec.runs()[0], tmp_path / "r")
+    assert cmd[:4] == [sys.executable, "-m", "stability", "fit"] and cmd[4:6] == ["--config", "configs/vit_digits.yaml"]
+    assert "--trainer.max_epochs=2" in cmd and '--model.backbone_options={"embed_dim": 16}' in cmd
+    assert "--model.lr=1e-3" in cmd and '--stabilizer=["lipsformer", "jasmin"]' in cmd
+    assert "--seed_everything=3" in cmd and f"--run_dir={tmp_path / 'r'}" in cmd
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"variants": []}, "give the sweep a name"),
+    ({"name": "s", "grids": {}}, "unknown keys \\['grids'\\]"),
+    ({"name": "s", "grid": {"model.lr": []}}, "must be a non-empty list"),
+    ({"name": "s", "seeds": []}, "seeds must not be empty"),
+])
+def test_bad_sweep_files_say_what_is_wrong(raw, message):
+    with pytest.raises(ValueError, match=message):
+        Spec.from_dict(raw)
+
+
+def test_bad_only_names_the_valid_runs(tmp_path, capsys):
+    assert sweep_main(["--name", "s", "--seeds", "0", "--only", "nope", "--sweeps_dir", str(tmp_path)]) == 2
+    assert "valid: ['seed=0']" in capsys.readouterr().err
+
+
+def test_emit_writes_one_command_per_run_and_a_slurm_array(tmp_path, capsys):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(yaml.safe_dump({"name": "s", "grid": {"model.lr": [0.001, 0.01]}, "seeds": [0, 1, 2]}))
+    assert sweep_main([str(spec_file), "--sweeps_dir", str(tmp_path / "sw"), "--emit", "slurm",
+                       "--slurm_option=--gres=gpu:1"]) == 0
+    root = tmp_path / "sw" / "s"
+    commands = (root / "commands.txt").read_text().splitlines()
+    assert len(commands) == 6 and all(" sweep " in c and "--only 'model.lr=" in c for c in commands)
+    script = (root / "slurm_array.sh").read_text()
+    assert "#SBATCH --array=0-5" in script and "#SBATCH --gres=gpu:1" in script and "SLURM_ARRAY_TASK_ID" in script
+    assert yaml.safe_load((root / "sweep.yaml").read_text())["seeds"] == [0, 1, 2]
+    assert not any(p.name.startswith("model.lr") for p in root.iterdir())  # nothing was run
+
+
+def sweep_file(tmp_path: Path, seeds: list[int], extra_variants: list[dict] = ()) -> Path:
+    spec = {"name": "tiny", "args": TINY, "variants": [{"stabilizer": "none"}, *extra_variants], "seeds": seeds}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def run_sweep(tmp_path: Path, spec: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+def test_a_killed_sweep_reruns_only_what_did_not_finish_and_loses_nothing(tmp_path):
+    spec = sweep_file(tmp_path, seeds=[0, 1, 2])
+    root = tmp_path / "sweeps" / "tiny"
+    first = subprocess.Popen([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while not (root / "stabilizer=none,seed=0" / "done.json").is_file():  # first run finished ...
+        assert time.time() < deadline and first.poll() is None, "the first run did not finish"
+        time.sleep(0.2)
+    while not (root / "stabilizer=none,seed=1" / "sweep_run.json").is_file():  # ... and the second started
+        assert time.time() < deadline and first.poll() is None
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)  # like a lost node: sweep and its run die at once
+    first.wait()
+    finished = root / "stabilizer=none,seed=0"
+    kept = {p.name: p.stat().st_mtime_ns for p in finished.rglob("*")}
+    assert not (root / "stabilizer=none,seed=1" / "done.json").exists()
+
+    second = run_sweep(tmp_path, spec)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "[skip] stabilizer=none,seed=0: completed" in second.stdout
+    assert "1 already complete, 2 to run" in second.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in finished.rglob("*")} == kept  # untouched
+    for seed in (0, 1, 2):
+        run = root / f"stabilizer=none,seed={seed}"
+        assert json.loads((run / "done.json").read_text())["status"] == "completed"
+        assert len(scalars(run, "test/acc")) == 1  # exactly one fit and one test in each run
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+        assert saved["seed_everything"] == seed and saved["trainer"]["max_epochs"] == 1
+    assert [p.name for p in (root / ".interrupted").iterdir()] == ["stabilizer=none,seed=1.0"]
+
+    third = run_sweep(tmp_path, spec)  # everything complete: nothing runs again
+    assert "3 already complete, 0 to run" in third.stdout and "[start]" not in third.stdout
+
+    out = tmp_path / "results" / "tiny"
+    assert report_module.main([str(root), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| stabilizer=none"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    header = [c.strip() for c in next(l for l in text.splitlines() if l.startswith("| configuration")).strip("|").split("|")]
+    values = dict(zip(header, cells))
+    assert values["seeds"] == "3" and values["diverged"] == "0/3"
+    accuracies = [scalars(root / f"stabilizer=none,seed={s}", "test/acc")[0] for s in (0, 1, 2)]
+    import statistics
+    assert values["clean acc"] == f"{statistics.fmean(accuracies):.3g} ± {statistics.stdev(accuracies):.2g}"
+    assert "pgd_Linf_8/255" in values and "Lip local mean" in values and "s/epoch" in values
+    for plot in ("accuracy_vs_lipschitz", "robust_vs_budget", "loss_curves", "lipschitz_distribution"):
+        png = out / f"{plot}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, plot
+        assert f"![{plot}]({plot}.png)" in text
+
+
+def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path):
+    diverging = {"stabilizer": "none", "model.optimizer": "sgd", "model.lr": 1.0e5}
+    spec = sweep_file(tmp_path, seeds=[0], extra_variants=[diverging])
+    done = run_sweep(tmp_path, spec)
+    assert done.returncode == 0, done.stdout[-3000:]
+    root = tmp_path / "sweeps" / "tiny"
+    diverged = json.loads((root / "stabilizer=none,model.optimizer=sgd,model.lr=100000.0,seed=0" / "done.json").read_text())
+    assert diverged["status"] == "diverged" and diverged["diverged_at_step"] >= 0 and "non-finite" in diverged["reason"]
+    assert json.loads((root / "stabilizer=none,seed=0" / "done.json").read_text())["status"] == "completed"
+    assert "1 completed, 1 diverged" in done.stdout
+    again = run_sweep(tmp_path, spec)
+    assert "[skip] stabilizer=none,model.optimizer=sgd,model.lr=100000.0,seed=0: diverged" in again.stdout
+
+    out = tmp_path / "report"
+    assert report_module.main([str(root), "--out", str(out)]) == 0
+    lines = (out / "report.md").read_text().splitlines()
+    row = next(l for l in lines if "model.lr=100000.0" in l)
+    assert "| 1 | 1/1 | — |" in row  # diverged: counted, no accuracy averaged in
+
+
+def test_a_failing_run_is_reported_and_retried(tmp_path):
+    spec = sweep_file(tmp_path, seeds=[0], extra_variants=[{"stabilizer": "no_such_stabilizer"}])
+    done = run_sweep(tmp_path, spec)
+    assert done.returncode == 1 and "[failed] stabilizer=no_such_stabilizer,seed=0: exit status 2" in done.stdout
+    assert "no_such_stabilizer" in done.stdout  # the run's own error is shown
+    again = run_sweep(tmp_path, spec)
+    assert "[start] stabilizer=no_such_stabilizer,seed=0" in again.stdout and "[start] stabilizer=none" not in again.stdout
+
+
+def test_report_labels_plain_runs_by_the_settings_that_differ(tmp_path):
+    runs = []
+    for lr, seed in ((0.001, 0), (0.001, 1), (0.01, 0)):
+        config = {"seed_everything": seed, "run_dir": f"r{lr}{seed}", "model": {"lr": lr, "backbone": "vit"},
+                  "data": {"class_path": "stability.data.Digits", "init_args": {"batch_size": 64}}}
+        runs.append(report_module.RunRecord(Path(f"r{lr}{seed}"), config, "completed", {}, {}))
+    report_module.label_configurations(runs)
+    assert [r.configuration for r in runs] == ["lr=0.001", "lr=0.001", "lr=0.01"]
+    assert [len(c.runs) for c in report_module.group(runs)] == [2, 1]
+
+
+def test_histogram_quantiles_follow_the_buckets():
+    limits, counts = [1.0, 2.0, 4.0, 8.0], [0, 10, 80, 10]
+    q05, q50, q95 = report_module.weighted_quantiles(limits, counts, [0.05, 0.5, 0.95])
+    assert 1.0 <= q05 <= 2.0 and 2.0 <= q50 <= 4.0 and 4.0 <= q95 <= 8.0
