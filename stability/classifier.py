@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from .models import Network, build_backbone, capture_attention
+from .models import Network, build_backbone, capture_attention, capture_queries_keys
 from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
 from .stabilizers import ForwardStep, build_stabilizers, stabilizer_names
 
@@ -84,6 +84,7 @@ class ImageClassifier(L.LightningModule):
         for stab in sorted(self.stabilizers, key=lambda s: s.prepare_order):
             stab.prepare(self.network)
         self._needs_probs = any(s.needs_attention_probs for s in self.stabilizers)
+        self._needs_queries_keys = any(s.needs_queries_keys for s in self.stabilizers)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -97,20 +98,28 @@ class ImageClassifier(L.LightningModule):
         return self.network(x)
 
     # ----------------------------------------------------------------- steps
-    def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
-        images, targets = batch
-        recording = capture_attention(self.network.backbone) if self._needs_probs else contextlib.nullcontext([])
-        with recording as probs:
+    def losses(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Logits and the loss terms of one training forward pass: ``{"task": ..., <stabilizer>: ...}``."""
+        backbone = self.network.backbone
+        probs_ctx = capture_attention(backbone) if self._needs_probs else contextlib.nullcontext([])
+        qk_ctx = capture_queries_keys(backbone) if self._needs_queries_keys else contextlib.nullcontext([])
+        with probs_ctx as probs, qk_ctx as queries_keys:
             logits = self.network(images)
-        task = F.cross_entropy(logits, targets, label_smoothing=self.hparams.label_smoothing)
-        step = ForwardStep(self.network, images, logits, targets, probs, self.global_step)
-        total = task
-        self.log("loss/task", task, on_step=True, on_epoch=True)
+        terms = {"task": F.cross_entropy(logits, targets, label_smoothing=self.hparams.label_smoothing)}
+        step = ForwardStep(self.network, images, logits, targets, probs, queries_keys, self.global_step)
         for stab in self.stabilizers:
             term = stab.loss(step)
             if term is not None:
-                total = total + term
-                self.log(f"loss/{stab.name}", term, on_step=True, on_epoch=True)
+                terms[stab.name] = term
+        return logits, terms
+
+    def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        images, targets = batch
+        logits, terms = self.losses(images, targets)
+        task = terms["task"]
+        total = sum(terms.values())
+        for name, term in terms.items():
+            self.log(f"loss/{name}", term, on_step=True, on_epoch=True)
         labels = targets.argmax(dim=-1) if targets.ndim == 2 else targets
         self.train_acc(logits.detach(), labels)
         self.log("train/loss", total, on_step=True, on_epoch=True, prog_bar=True)
@@ -164,6 +173,10 @@ class ImageClassifier(L.LightningModule):
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         optimizer.step(closure=optimizer_closure)
+        self.after_optimizer_step()
+
+    def after_optimizer_step(self) -> None:
+        """The stabilizers' projections after a step (constraints, spectral caps)."""
         for stab in self.stabilizers:
             stab.after_optimizer_step(self.network)
 

@@ -96,3 +96,71 @@ def test_lambda_zero_keeps_the_fused_path_and_bad_options_fail():
         JaSMin(k=1)
     with pytest.raises(ValueError, match="reduction must be 'max' or 'mean'"):
         JaSMin(reduction="sum")
+
+
+# ---------------------------------------------------------------- streamed row statistics (ViT)
+from stability.models import capture_queries_keys, supports_query_key_capture  # noqa: E402
+from stability.nn.row_statistics import row_statistics, top_probabilities_streamed  # noqa: E402
+from stability.nn.softmax_bounds import top_probabilities  # noqa: E402
+
+
+def test_row_statistics_equal_the_materialised_softmax_and_pass_gradcheck():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 13, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 13, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    probs = torch.softmax(0.7 * q @ k.transpose(-1, -2), dim=-1)
+    for block in (1, 5, 64):  # blocks that do and do not divide N
+        streamed = top_probabilities_streamed(q, k, 0.7, 4, block=block)
+        assert torch.allclose(streamed, top_probabilities(probs, 4), atol=1e-12)
+    assert torch.allclose(top_probabilities_streamed(q, k, 0.7, 20), top_probabilities(probs, 20), atol=1e-12)
+    torch.autograd.gradcheck(lambda a, b: row_statistics(a, b, 0.7, 3, block=5), (q, k))
+
+
+@pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (10, "mean")])
+def test_streamed_jasmin_equals_the_materialised_loss_and_gradient_on_vit(k, reduction):
+    """Same loss and same gradient for every parameter, with the fused attention path kept."""
+    torch.manual_seed(0)
+    net = build_backbone("vit", img_size=8, in_chans=1, num_classes=3, embed_dim=16, depth=2, num_heads=2).double()
+    images = torch.rand(4, 1, 8, 8, dtype=torch.float64)
+    assert supports_query_key_capture(net) and all(s.module.fused_attn for s in attention_sites(net))
+    jasmin = JaSMin(lam=1.0, k=k, reduction=reduction)
+
+    with capture_attention(net) as probs:
+        net(images)
+    materialised = jasmin.regulariser(probs, 4)
+    reference = torch.autograd.grad(materialised, list(net.parameters()), allow_unused=True)
+
+    with capture_queries_keys(net) as queries_keys:
+        net(images)
+    assert len(queries_keys) == 2 and all(s.module.fused_attn for s in attention_sites(net))
+    streamed = jasmin.regulariser_streamed(queries_keys, 4)
+    grads = torch.autograd.grad(streamed, list(net.parameters()), allow_unused=True)
+    assert float(streamed) == pytest.approx(float(materialised), rel=1e-10)
+    for got, want in zip(grads, reference):
+        if want is None:
+            assert got is None or float(got.abs().max()) == 0
+        else:
+            assert torch.allclose(got, want, rtol=1e-7, atol=1e-10)
+
+
+def test_row_statistics_choice_follows_the_backbone():
+    from stability.models import Network
+
+    def network(backbone, **options):
+        return Network(build_backbone(backbone, img_size=8, in_chans=1, num_classes=3, **options), [0.5], [0.5], 8)
+
+    vit = network("vit", embed_dim=16, depth=1, num_heads=2)
+    swin = network("swin", embed_dim=16, depths=(1, 1), num_heads=(2, 2), window_size=2)
+    auto = JaSMin(lam=1e-2)
+    auto.prepare(vit)
+    assert auto.streamed and auto.needs_queries_keys and not auto.needs_attention_probs
+    on_swin = JaSMin(lam=1e-2)
+    on_swin.prepare(swin)
+    assert not on_swin.streamed and on_swin.needs_attention_probs
+    forced = JaSMin(lam=1e-2, row_statistics="materialized")
+    forced.prepare(vit)
+    assert not forced.streamed and forced.needs_attention_probs
+    with pytest.raises(ValueError, match="row_statistics='streamed' needs plain ViT attention"):
+        JaSMin(lam=1e-2, row_statistics="streamed").prepare(swin)
+    with pytest.raises(ValueError, match="row_statistics must be"):
+        JaSMin(row_statistics="lazy")

@@ -2,10 +2,12 @@
 from .cswin import CSWinTransformer
 from .network import Network
 from .registry import BUILDERS, PRESETS, build_backbone
-from .view import (AttentionSite, NormSite, ResidualSite, attention_sites, capture_attention, explicit_attention,
+from .view import (AttentionSite, NormSite, ResidualSite, attention_sites, capture_attention, capture_queries_keys,
+    explicit_attention, supports_query_key_capture,
                    norm_sites, patch_embed, residual_sites)
 
 __all__ = [
     "AttentionSite", "BUILDERS", "CSWinTransformer", "Network", "NormSite", "PRESETS", "ResidualSite",
-    "attention_sites", "build_backbone", "capture_attention", "explicit_attention", "norm_sites", "patch_embed", "residual_sites",
+    "attention_sites", "build_backbone", "capture_attention", "capture_queries_keys", "explicit_attention",
+    "supports_query_key_capture", "norm_sites", "patch_embed", "residual_sites",
 ]

@@ -180,3 +180,45 @@ def capture_attention(backbone: nn.Module) -> Iterator[list[torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def supports_query_key_capture(backbone: nn.Module) -> bool:
+    """True when every attention module is timm's plain ``Attention`` (ViT): logits are exactly
+    scale · q kᵀ (no relative-position bias, mask or replaced kernel), so the queries and keys
+    determine the probabilities."""
+    from timm.layers import Attention
+
+    sites = attention_sites(backbone)
+    return bool(sites) and all(type(site.module) is Attention for site in sites)
+
+
+@contextlib.contextmanager
+def capture_queries_keys(backbone: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """Record (q, k, scale) of every attention call inside the block, in forward order, each
+    (B, H, N, d) and differentiable, without touching the fused path: the probabilities are
+    softmax(scale · q kᵀ). Only for :func:`supports_query_key_capture` backbones."""
+    if not supports_query_key_capture(backbone):
+        raise ValueError("capturing queries and keys needs timm's plain ViT attention (no relative-position "
+                         "bias, window mask or replaced kernel); use capture_attention instead")
+    captured: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+    pending: dict[int, torch.Tensor] = {}
+
+    def record_q(module):
+        def hook(_norm, _inputs, output):
+            pending[id(module)] = output
+        return hook
+
+    def record_k(module):
+        def hook(_norm, _inputs, output):
+            captured.append((pending.pop(id(module)), output, float(module.scale)))
+        return hook
+
+    handles = []
+    for site in attention_sites(backbone):
+        handles.append(site.module.q_norm.register_forward_hook(record_q(site.module)))
+        handles.append(site.module.k_norm.register_forward_hook(record_k(site.module)))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()

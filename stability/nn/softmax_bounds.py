@@ -24,7 +24,13 @@ def g_k(p: torch.Tensor, k: int) -> torch.Tensor:
     """g_k of each row of ``p`` (last dim a probability vector), k ≥ 1; differentiable."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    top = top_probabilities(p, k + 1)
+    return g_k_of_top(top_probabilities(p, k + 1), k)
+
+
+def g_k_of_top(top: torch.Tensor, k: int) -> torch.Tensor:
+    """g_k from the (at least k+1) largest probabilities of each row, descending."""
+    if k < 1 or top.shape[-1] < k + 1:
+        raise ValueError(f"need k >= 1 and k+1 <= {top.shape[-1]} top probabilities; got k={k}")
     x_k, x_next = top[..., k - 1], top[..., k]
     return x_k * (1.0 - x_k + x_next)
 

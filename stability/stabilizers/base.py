@@ -35,6 +35,7 @@ class ForwardStep:
     logits: torch.Tensor  # (B, num_classes)
     targets: torch.Tensor  # (B,) class indices or (B, num_classes) soft labels
     attention_probs: list[torch.Tensor] = field(default_factory=list)  # each (B', H, N, N)
+    queries_keys: list[tuple] = field(default_factory=list)  # each (q, k, scale), q and k (B, H, N, d)
     global_step: int = 0
 
 
@@ -46,6 +47,7 @@ class Stabilizer:
     # so that the others (which attach buffers or parametrisations) see the final architecture.
     prepare_order: ClassVar[int] = 1
     needs_attention_probs: bool = False  # a class or an instance attribute
+    needs_queries_keys: bool = False  # (q, k, scale) of every attention call, fused path kept (ViT)
 
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""

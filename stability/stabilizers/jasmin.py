@@ -8,6 +8,12 @@ and heads h, averaged over the batch, and added to the task loss as λ·L (JaSMi
 restated in METHODS.md §2). For Swin and CSwin the rows of all windows / stripes of an image
 count as the rows of that image's map. g₁ bounds ‖J_softmax(P_i)‖₂ (Theorem 4), so lowering it
 lowers the local Lipschitz bound of each head (Theorem 3).
+
+Only the top-(k+1) probabilities of each row enter, so on ViT (``row_statistics="auto"`` or
+``"streamed"``) they come from each row's log-sum-exp and top logits computed a block of rows
+at a time from the captured queries and keys (:mod:`stability.nn.row_statistics`): the attention
+output keeps the fused kernel and no N×N probability map is stored. Swin (relative-position bias,
+window masks), CSwin and replaced attention kernels use the materialised maps.
 """
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ from typing import Literal, Optional
 
 import torch
 
-from ..nn.softmax_bounds import g_k
+from ..models import supports_query_key_capture
+from ..nn.row_statistics import top_probabilities_streamed
+from ..nn.softmax_bounds import g_k_of_top, top_probabilities
 from .base import ForwardStep, Stabilizer
 
 
@@ -27,12 +35,15 @@ class JaSMin(Stabilizer):
         k: 0 for the bound variant (log g₁), or k > 1 for the ratio variant log(g₁/(g_k + ε)).
         reduction: ``max`` or ``mean`` over the rows of each attention map.
         eps: ε of the ratio variant, and the floor of g₁ inside the log.
+        row_statistics: ``auto`` (streamed where the backbone allows it, i.e. plain ViT
+            attention), ``streamed`` (an error elsewhere) or ``materialized`` (always record
+            the probability maps, the fused path off).
     """
 
     name = "jasmin"
 
     def __init__(self, lam: float = 1e-3, k: int = 0, reduction: Literal["max", "mean"] = "mean",
-                 eps: float = 1e-6) -> None:
+                 eps: float = 1e-6, row_statistics: Literal["auto", "streamed", "materialized"] = "auto") -> None:
         if lam < 0:
             raise ValueError(f"jasmin: lam must be >= 0, got {lam}")
         if k == 1 or k < 0:
@@ -41,15 +52,47 @@ class JaSMin(Stabilizer):
             raise ValueError(f"jasmin: reduction must be 'max' or 'mean', got {reduction!r}")
         if eps <= 0:
             raise ValueError(f"jasmin: eps must be > 0, got {eps}")
+        if row_statistics not in ("auto", "streamed", "materialized"):
+            raise ValueError(f"jasmin: row_statistics must be 'auto', 'streamed' or 'materialized', "
+                             f"got {row_statistics!r}")
         self.lam, self.k, self.reduction, self.eps = lam, k, reduction, eps
+        self.row_statistics = row_statistics
+        self.streamed = False
         self.needs_attention_probs = lam > 0
+
+    @property
+    def top_count(self) -> int:
+        """How many of each row's largest probabilities g₁ (and g_k) need."""
+        return max(self.k, 1) + 1
+
+    def prepare(self, network) -> None:
+        supported = supports_query_key_capture(network.backbone)
+        if self.row_statistics == "streamed" and not supported:
+            raise ValueError("jasmin: row_statistics='streamed' needs plain ViT attention (Swin's bias and masks, "
+                             "CSwin and replaced kernels need the materialised maps); use 'auto' or 'materialized'")
+        self.streamed = self.lam > 0 and self.row_statistics != "materialized" and supported
+        self.needs_attention_probs = self.lam > 0 and not self.streamed
+        self.needs_queries_keys = self.streamed
 
     def row_scores(self, probs: torch.Tensor) -> torch.Tensor:
         """log g₁ or log(g₁/(g_k+ε)) of every row: (B', H, N, N) → (B', H, N)."""
-        g1 = g_k(probs, 1).clamp_min(self.eps)
+        return self.scores_of_top(top_probabilities(probs, self.top_count))
+
+    def scores_of_top(self, top: torch.Tensor) -> torch.Tensor:
+        """log g₁ or log(g₁/(g_k+ε)) from each row's largest probabilities (..., N, k+1) → (..., N)."""
+        g1 = g_k_of_top(top, 1).clamp_min(self.eps)
         if self.k == 0:
             return g1.log()
-        return (g1 / (g_k(probs, self.k) + self.eps)).log()
+        return (g1 / (g_k_of_top(top, self.k) + self.eps)).log()
+
+    def regulariser_streamed(self, queries_keys: list[tuple], batch_size: int) -> torch.Tensor:
+        """L_JaSMin (without λ) from the queries and keys of one forward pass (ViT)."""
+        total = 0.0
+        for q, k, scale in queries_keys:
+            scores = self.scores_of_top(top_probabilities_streamed(q, k, scale, self.top_count))  # (B, H, N)
+            reduced = scores.amax(-1) if self.reduction == "max" else scores.mean(-1)
+            total = total + reduced.sum(-1).mean()
+        return total
 
     def regulariser(self, attention_probs: list[torch.Tensor], batch_size: int) -> torch.Tensor:
         """L_JaSMin (without λ) from the attention maps of one forward pass."""
@@ -65,6 +108,10 @@ class JaSMin(Stabilizer):
     def loss(self, step: ForwardStep) -> Optional[torch.Tensor]:
         if self.lam == 0:
             return None
+        if self.streamed:
+            if not step.queries_keys:
+                raise RuntimeError("jasmin: no queries and keys were recorded for this forward pass")
+            return self.lam * self.regulariser_streamed(step.queries_keys, step.inputs.shape[0])
         if not step.attention_probs:
             raise RuntimeError("jasmin: no attention probabilities were recorded for this forward pass")
         return self.lam * self.regulariser(step.attention_probs, step.inputs.shape[0])
