@@ -152,7 +152,8 @@ class ImageClassifier(L.LightningModule):
             self.log("hp/val_loss", metrics["val/loss"])
 
     # --------------------------------------------------------- optimization
-    def configure_optimizers(self):
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer: one a stabilizer supplies (at most one may), else the default."""
         hp = self.hparams
         def default(named_parameters):
             return make_optimizer(param_groups(named_parameters, hp.weight_decay), hp.optimizer, hp.lr,
@@ -162,7 +163,11 @@ class ImageClassifier(L.LightningModule):
                     if (opt := s.build_optimizer(self.network, default)) is not None]
         if len(supplied) > 1:
             raise ValueError(f"stabilizers {[n for n, _ in supplied]} each supply an optimizer; combine at most one")
-        optimizer = supplied[0][1] if supplied else default(self.network.named_parameters())
+        return supplied[0][1] if supplied else default(self.network.named_parameters())
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = self.build_optimizer()
         total = int(self.trainer.estimated_stepping_batches)
         epochs = max(1, self.trainer.max_epochs or 1)
         warmup = round(hp.warmup_epochs * total / epochs)

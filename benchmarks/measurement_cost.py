@@ -1,0 +1,93 @@
+"""Cost of each measurement as a ratio to one training step of the same model and batch.
+
+    python benchmarks/measurement_cost.py                  # micro ViT on digits at 16×16 (64 tokens), batch 32
+    python benchmarks/measurement_cost.py --device cuda --batch 128
+
+Local Lipschitz power iteration (per batch, per point, per iteration: the difference between
+the 10- and 1-iteration runs over 9), the exact Jacobian norm, the empirical lower bound, the
+certified bound (LipsFormer ViT), attention diagnostics, FGSM / PGD-10 / AutoAttack per point, on a
+model trained for ``--train_epochs`` first (attacks stop early on points already misclassified, so
+an untrained model would flatter them), attention diagnostics, FGSM / PGD-10 / AutoAttack per point.
+Target (issue 7): the local estimate costs ≤ 2 × iterations + 1 training steps per batch of points.
+"""
+from __future__ import annotations
+
+import torch
+
+from common import arguments, build_module, digits, interleaved, markdown, setup, train_epochs, train_step, write
+
+from stability.lipschitz import empirical_lower_bound, jacobian_norm
+from stability.lipschitz.attention import attention_diagnostics
+from stability.lipschitz.certified import certified_bound
+from stability.robustness import AttackSpec, robust_accuracy
+
+
+def main() -> None:
+    p = arguments(__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=32, help="points per measurement batch = training batch")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--autoattack_points", type=int, default=8, help="AutoAttack is slow: fewer points")
+    p.add_argument("--train_epochs", type=int, default=5, help="train on digits first")
+    args = p.parse_args()
+    device = setup(args)
+    if args.quick:
+        args.batch, args.tokens, args.iterations, args.repeats, args.autoattack_points = 4, 16, 2, 1, 0
+        args.train_epochs = 0
+    image_size = 2 * int(args.tokens ** 0.5)  # micro ViT: patch 2
+    loader, images, labels = digits(image_size, args.batch, device)
+    images, labels = images[:args.batch], labels[:args.batch]
+    module, optimizer = build_module("vit", "micro", "none", image_size=image_size, device=device, in_chans=1,
+                                     lr=2e-3)
+    train_epochs(module, optimizer, loader, args.train_epochs, device)
+    lipsformer, _ = build_module("vit", "micro", "lipsformer", image_size=image_size, device=device, in_chans=1)
+    network = module.network
+    iters = args.iterations
+
+    def attack(name: str, points: int, steps: int = 10):
+        spec = AttackSpec(name, "Linf", 8 / 255)
+        return lambda: robust_accuracy(network, images[:points], labels[:points], [spec], 10, pgd_steps=steps)
+
+    cases = {
+        "training step": lambda: train_step(module, optimizer, images, labels),
+        "local Lipschitz, power, 1 iteration": lambda: jacobian_norm(network, images, 1),
+        f"local Lipschitz, power, {iters} iterations": lambda: jacobian_norm(network, images, iters),
+        "local Lipschitz, exact (one VJP per logit)": lambda: jacobian_norm(network, images, method="exact"),
+        "empirical lower bound (10 ascent steps)": lambda: empirical_lower_bound(network, images),
+        "certified bound (LipsFormer ViT)": lambda: certified_bound(lipsformer.network),
+        "attention diagnostics (16 points)": lambda: attention_diagnostics(network, images[:16]),
+        "FGSM": attack("fgsm", args.batch),
+        "PGD-10": attack("pgd", args.batch),
+    }
+    seconds = interleaved(cases, device, args.repeats, warmup=1)
+    network.eval()
+    if args.autoattack_points:  # --quick skips it: on an untrained, nearly constant model it runs every query
+        seconds["AutoAttack (standard)"] = interleaved({"aa": attack("autoattack", args.autoattack_points)}, device,
+                                                       1, warmup=0)["aa"]
+    points = {"attention diagnostics (16 points)": min(16, args.batch), "AutoAttack (standard)": args.autoattack_points,
+              "certified bound (LipsFormer ViT)": None, "training step": args.batch}
+    step = seconds["training step"]
+    per_iteration = (seconds[f"local Lipschitz, power, {iters} iterations"]
+                     - seconds["local Lipschitz, power, 1 iteration"]) / max(iters - 1, 1)
+    rows = []
+    for name, value in seconds.items():
+        n = points.get(name, args.batch)
+        target = ""
+        if name == f"local Lipschitz, power, {iters} iterations":
+            limit = 2 * iters + 1
+            target = f"≤ {limit} steps: " + ("met" if value / step <= limit else
+                                              f"missed by {100 * (value / step / limit - 1):.0f}%")
+        rows.append([name, 1000 * value, n if n else "—", 1000 * value / n if n else float("nan"),
+                     f"{value / step:.2f}", target])
+    rows.append(["local Lipschitz, per power iteration", 1000 * per_iteration, args.batch,
+                 1000 * per_iteration / args.batch, f"{per_iteration / step:.2f}", ""])
+    body = (f"Micro ViT trained {args.train_epochs} epochs on digits at {image_size}×{image_size} ({args.tokens} "
+            f"tokens), batch {args.batch}; median of {args.repeats} interleaved runs "
+            f"(AutoAttack: one run on {args.autoattack_points} points). Ratio: time / one training step on the "
+            f"same batch.\n\n"
+            + markdown(["measurement", "ms", "points", "ms / point", "× training step", "target"], rows))
+    write("measurement_cost", args, device, "Cost of each measurement", body)
+
+
+if __name__ == "__main__":
+    main()
