@@ -161,3 +161,25 @@ def test_lipschitz_transformer_architecture():
     grid = torch.linspace(-6, 6, 20001, requires_grad=True)
     (slope,) = torch.autograd.grad(ScaledGELU()(grid).sum(), grid)
     assert 0.999 < float(slope.abs().max()) <= 1.0 + 1e-6  # float32 autograd
+
+
+@pytest.mark.parametrize("name", ["normalise", "hammer", "hard_cap", "soft_cap"])
+def test_constraints_on_a_stack_equal_each_matrix_alone(name):
+    """The stabilizers project all matrices of one shape in one batched call."""
+    gen = torch.Generator().manual_seed(3)
+    stack = torch.randn(4, 6, 9, generator=gen, dtype=torch.float64) * torch.tensor([0.2, 0.5, 1.5, 3.0],
+                                                                                     dtype=torch.float64)[:, None, None]
+    apply = {"normalise": lambda w: constraints.normalise(w, 1.0), "hammer": lambda w: constraints.hammer(w, 1.0),
+             "hard_cap": lambda w: constraints.hard_cap(w, 1.0), "soft_cap": lambda w: constraints.soft_cap(w, 0.05)}[name]
+    batched = apply(stack)
+    for i in range(4):
+        assert torch.allclose(batched[i], apply(stack[i]), atol=1e-10), i
+
+
+def test_batched_spectral_norms_equal_the_svd():
+    from stability.nn.spectral import spectral_norms
+
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randn(*shape, generator=gen) for shape in [(5, 7), (7, 5), (5, 7), (3, 3), (1, 4)]]
+    exact = torch.tensor([float(torch.linalg.matrix_norm(w.double(), ord=2)) for w in weights], dtype=torch.float64)
+    assert torch.allclose(spectral_norms(weights), exact, rtol=1e-10)

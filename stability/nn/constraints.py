@@ -15,7 +15,7 @@ from .spectral import rms_scale
 def msign(matrix: torch.Tensor) -> torch.Tensor:
     """Matrix sign U Vᵀ of M = U Σ Vᵀ (exact, by SVD; zero singular values map to zero)."""
     u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
-    keep = (s > s.max() * 1e-12).to(matrix.dtype) if s.numel() else s
+    keep = (s > s.amax(-1, keepdim=True) * 1e-12).to(matrix.dtype) if s.numel() else s
     return (u * keep.unsqueeze(-2)) @ vh
 
 
@@ -62,15 +62,16 @@ def hammer(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
     """Spectral hammer: W ← W + (σ_max − σ₁) u₁v₁ᵀ in RMS units, when σ₁ > σ_max (sets σ₁ to σ_max)."""
     scale = rms_scale(weight)
     u, s, vh = torch.linalg.svd(weight * scale, full_matrices=False)
-    if s[0] <= sigma_max:
-        return weight
-    return weight + (sigma_max - s[0]) * torch.outer(u[:, 0], vh[0]) / scale
+    excess = (sigma_max - s[..., 0]).clamp_max(0)  # 0 where σ₁ ≤ σ_max: untouched
+    return weight + excess[..., None, None] * (u[..., :, :1] @ vh[..., :1, :]) / scale
 
 
 def normalise(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
     """Spectral normalisation: W ← W / max(1, ‖W‖_RMS / σ_max)."""
-    norm = rms_norm(weight)
-    return weight / max(1.0, norm / sigma_max)
+    if weight.ndim == 2:
+        return weight / max(1.0, rms_norm(weight) / sigma_max)
+    norms = torch.linalg.matrix_norm(weight, ord=2) * rms_scale(weight)
+    return weight / (norms / sigma_max).clamp_min(1.0)[..., None, None]
 
 
 def rms_norm(weight: torch.Tensor) -> float:

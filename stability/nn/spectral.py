@@ -32,6 +32,26 @@ def spectral_norm(weight: torch.Tensor) -> torch.Tensor:
     return torch.linalg.matrix_norm(weight, ord=2)
 
 
+def spectral_norms(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Exact σ₁ of each matrix, (len(weights),) float64: σ₁² is the largest eigenvalue of the
+    smaller Gram matrix W Wᵀ or Wᵀ W (float64, symmetric eigensolver — cheaper than an SVD),
+    one batched call per shape."""
+    out = torch.empty(len(weights), dtype=torch.float64, device=weights[0].device if weights else "cpu")
+    for indices, stacked in grouped_by_shape(weights):
+        w = stacked.detach().double()
+        gram = w @ w.mT if w.shape[-2] <= w.shape[-1] else w.mT @ w
+        out[indices] = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
+    return out
+
+
+def grouped_by_shape(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """[(indices, stacked tensors)] for each distinct shape, in first-seen order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    return [(indices, torch.stack([tensors[i] for i in indices])) for indices in groups.values()]
+
+
 def rms_scale(weight: torch.Tensor) -> float:
     """sqrt(d_in / d_out): multiply σ₁ by it for the RMS→RMS norm."""
     return (weight.shape[-1] / weight.shape[-2]) ** 0.5

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..models import attention_sites, norm_sites, residual_sites
 from ..nn import constraints
+from ..nn.spectral import grouped_by_shape, rms_scale, spectral_norms
 from ..nn.cosine_attention import LipschitzDotKernel
 from ..nn.lipschitz_blocks import ConvexResidualBlock, ScaledGELU
 from ..optim_combined import CombinedOptimizer
@@ -133,9 +134,12 @@ class MuonConstrained(Stabilizer):
         if not self._before:
             return
         eta = self._muon.param_groups[0]["lr"]
-        update = max(constraints.rms_norm(p - b) for p, b in zip(self._matrices, self._before))
-        for p, before in zip(self._matrices, self._before):
-            p.sub_(self.weight_decay * eta * before)
+        differences = [p - b for p, b in zip(self._matrices, self._before)]
+        scales = torch.tensor([rms_scale(d) for d in differences], dtype=torch.float64)
+        update = float((spectral_norms(differences).cpu() * scales).max())
+        if self.weight_decay:
+            for p, before in zip(self._matrices, self._before):
+                p.sub_(self.weight_decay * eta * before)
         self._project(update_norm=update, decay=self.weight_decay * eta)
         self._before = []
 
@@ -146,14 +150,17 @@ class MuonConstrained(Stabilizer):
         if self.constraint == "soft_cap":
             k = self.sigma_max * (1 - decay) + update_norm
             self.last_alpha = constraints.soft_cap_alpha(k, self.sigma_max)
-        for p in self._matrices:
-            w = p.data.double()
+        if self.constraint == "soft_cap" and self.last_alpha == 0:
+            return  # no weight can have left the cap in this step
+        for indices, stacked in grouped_by_shape([p.data for p in self._matrices]):  # batched per shape
+            w = stacked.double()
             if self.constraint == "normalise":
                 w = constraints.normalise(w, self.sigma_max)
             elif self.constraint == "hammer":
                 w = constraints.hammer(w, self.sigma_max)
             elif self.constraint == "hard_cap":
                 w = constraints.hard_cap(w, self.sigma_max)
-            elif self.last_alpha > 0:  # soft cap
+            else:
                 w = constraints.soft_cap(w, self.last_alpha)
-            p.copy_(w.to(p.dtype))
+            for i, projected in zip(indices, w.to(stacked.dtype)):
+                self._matrices[i].copy_(projected)

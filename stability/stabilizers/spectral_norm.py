@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm as torch_spectral_norm
 
 from ..models import attention_sites
-from ..nn.spectral import spectral_norm as exact_sigma
+from ..nn.spectral import spectral_norms
 from .base import Stabilizer
 
 
@@ -86,7 +86,10 @@ class SpectralNorm(Stabilizer):
     def after_optimizer_step(self, network: nn.Module) -> None:
         if self.mode != "project":
             return
-        for linear in chosen_linears(network, self.layers):
-            sigma = exact_sigma(linear.weight.float())
-            if sigma > self.sigma_max:
-                linear.weight.mul_(self.sigma_max / sigma)
+        weights = [linear.weight for linear in chosen_linears(network, self.layers)]
+        if not weights:
+            return
+        factors = (self.sigma_max / spectral_norms(weights)).clamp_max(1.0)  # exact σ₁, batched per shape
+        for weight, factor in zip(weights, factors.tolist()):
+            if factor < 1.0:
+                weight.mul_(factor)
