@@ -161,7 +161,7 @@ class StabilityCLI(LightningCLI):
         if not isinstance(args, (dict, Namespace)):
             data_class = requested_data_class(sys.argv[1:] if args is None else list(args))
             if data_class is not None:
-                for subparser in self._subcommand_parsers.values():
+                for subparser in list(getattr(self, "_subcommand_parsers", {}).values()) or [parser]:
                     subparser.set_defaults({"data": {"class_path": data_class}})
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")

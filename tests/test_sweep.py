@@ -204,3 +204,24 @@ def test_histogram_quantiles_follow_the_buckets():
     limits, counts = [1.0, 2.0, 4.0, 8.0], [0, 10, 80, 10]
     q05, q50, q95 = report_module.weighted_quantiles(limits, counts, [0.05, 0.5, 0.95])
     assert 1.0 <= q05 <= 2.0 and 2.0 <= q50 <= 4.0 and 4.0 <= q95 <= 8.0
+
+
+SWEEP_FILES = sorted((Path(__file__).resolve().parent.parent / "configs" / "experiments").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.stem)
+def test_every_shipped_sweep_file_expands_and_each_variant_parses(path, capsys, monkeypatch):
+    """The studies' sweep files (small and paper scale) cannot rot: the first run of every variant
+    parses as a `stability fit` command line with its overrides in the resolved config."""
+    from stability.cli import main
+
+    monkeypatch.chdir(path.parents[2] if path.parent.name == "experiments" else path.parents[3])
+    spec = Spec.from_dict(yaml.safe_load(path.read_text()), str(path))
+    assert spec.runs() and spec.name == path.stem
+    for variant in spec.variants:
+        run = Spec(spec.name, spec.config, spec.args, [variant], spec.grid, spec.seeds).runs()[0]
+        with pytest.raises(SystemExit) as exit_info:
+            main(spec.command(run, Path("unused"))[3:] + ["--print_config"])
+        assert exit_info.value.code in (0, None), run.name
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["stabilizer"] == dict(run.overrides)["stabilizer"] and printed["seed_everything"] == run.seed
