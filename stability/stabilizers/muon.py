@@ -152,8 +152,11 @@ class MuonConstrained(Stabilizer):
             self.last_alpha = constraints.soft_cap_alpha(k, self.sigma_max)
         if self.constraint == "soft_cap" and self.last_alpha == 0:
             return  # no weight can have left the cap in this step
+        # The soft cap is matmuls only and float32 is accurate enough for it (tests hold ‖W‖ ≤ σ_max
+        # to 1e-5); the SVD-based projections run in float64.
+        dtype = torch.float32 if self.constraint in ("soft_cap", "normalise") else torch.float64
         for indices, stacked in grouped_by_shape([p.data for p in self._matrices]):  # batched per shape
-            w = stacked.double()
+            w = stacked.to(torch.promote_types(stacked.dtype, dtype))
             if self.constraint == "normalise":
                 w = constraints.normalise(w, self.sigma_max)
             elif self.constraint == "hammer":
