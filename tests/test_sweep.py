@@ -103,8 +103,8 @@ def sweep_file(tmp_path: Path, seeds: list[int], extra_variants: list[dict] = ()
     return path
 
 
-def run_sweep(tmp_path: Path, spec: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
+def run_sweep(tmp_path: Path, spec: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps", *extra],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
@@ -163,7 +163,7 @@ def test_a_killed_sweep_reruns_only_what_did_not_finish_and_loses_nothing(tmp_pa
 def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     diverging = {"stabilizer": "none", "model.optimizer": "sgd", "model.lr": 1.0e5}
     spec = sweep_file(tmp_path, seeds=[0], extra_variants=[diverging])
-    done = run_sweep(tmp_path, spec)
+    done = run_sweep(tmp_path, spec, "--workers", "2")  # both runs at once
     assert done.returncode == 0, done.stdout[-3000:]
     root = tmp_path / "sweeps" / "tiny"
     diverged = json.loads((root / "stabilizer=none,model.optimizer=sgd,model.lr=100000.0,seed=0" / "done.json").read_text())
