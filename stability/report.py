@@ -279,6 +279,17 @@ def _legend(ax, count: int) -> None:
         ax.legend(fontsize=8)
 
 
+def _finish(plt, fig, ax, drawn: int, path: Path, title: str) -> bool:
+    """Title, grid, legend, save; False (and nothing written) when no configuration was drawn."""
+    if drawn:
+        fig.suptitle(title)
+        ax.grid(alpha=0.3, which="both")
+        _legend(ax, drawn)
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return bool(drawn)
+
+
 def plot_accuracy_vs_lipschitz(configurations, styles, path: Path, title: str) -> bool:
     plt, fig, ax = _figure(9, 5)
     drawn = 0
@@ -293,18 +304,10 @@ def plot_accuracy_vs_lipschitz(configurations, styles, path: Path, title: str) -
                     color=style["color"], marker=style["marker"], linestyle="none", capsize=3,
                     markersize=7, label=config.label)
         drawn += 1
-    if not drawn:
-        plt.close(fig)
-        return False
     ax.set_xscale("log")
     ax.set_xlabel("local Lipschitz estimate ‖J_f(x)‖₂, mean over points (log scale)")
     ax.set_ylabel("clean accuracy")
-    fig.suptitle(f"{title}: accuracy vs Lipschitz (mean ± std over seeds)")
-    ax.grid(alpha=0.3, which="both")
-    _legend(ax, drawn)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, ax, drawn, path, f"{title}: accuracy vs Lipschitz (mean ± std over seeds)")
 
 
 def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> bool:
@@ -360,18 +363,10 @@ def plot_loss_curves(configurations, styles, path: Path, title: str) -> bool:
                 ax.axvline(run.scalars["hp/diverged_at_step"][-1][1], color=style["color"], linestyle=":",
                            alpha=0.7)
         drawn += 1
-    if not drawn:
-        plt.close(fig)
-        return False
     ax.set_yscale("log")
     ax.set_xlabel("training step")
     ax.set_ylabel("task loss (cross-entropy, log scale)")
-    fig.suptitle(f"{title}: training loss (every seed; dotted: divergence)")
-    ax.grid(alpha=0.3, which="both")
-    _legend(ax, drawn)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, ax, drawn, path, f"{title}: training loss (every seed; dotted: divergence)")
 
 
 def weighted_quantiles(limits: list[float], counts: list[float], qs: list[float]) -> list[float]:
