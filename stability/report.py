@@ -314,7 +314,7 @@ def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> boo
     attacks = sorted({parse_label(k)[:2] for c in configurations for r in c.runs for k in r.robust()})
     if not attacks:
         return False
-    plt, fig, _ = _figure(4.2 * len(attacks) + 2.5, 4.6)
+    plt, fig, _ = _figure(max(4.2 * len(attacks), 9.0), 4.6 + 0.22 * math.ceil(len(configurations) / 2))
     fig.clear()
     axes = fig.subplots(1, len(attacks), squeeze=False)[0]
     for ax, (attack, norm) in zip(axes, attacks):
@@ -337,7 +337,7 @@ def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> boo
         ax.set_title(f"{attack.upper()} {norm}")
         ax.grid(alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, fontsize=7, loc="outside right upper", frameon=False)
+    fig.legend(handles, names, fontsize=7, loc="outside lower center", ncol=2, frameon=False)
     fig.suptitle(f"{title}: robust accuracy vs budget on the attack subset (ε = 0: clean; mean over seeds)")
     fig.savefig(path, dpi=120)
     plt.close(fig)
