@@ -76,7 +76,7 @@ def main() -> None:
         if name == f"local Lipschitz, power, {iters} iterations":
             limit = 2 * iters + 1
             target = f"≤ {limit} steps: " + ("met" if value / step <= limit else
-                                              f"missed by {100 * (value / step / limit - 1):.0f}%")
+                                              f"missed by {100 * (value / step / limit - 1):.1f}%")
         rows.append([name, 1000 * value, n if n else "—", 1000 * value / n if n else float("nan"),
                      f"{value / step:.2f}", target])
     rows.append(["local Lipschitz, per power iteration", 1000 * per_iteration, args.batch,

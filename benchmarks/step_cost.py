@@ -63,7 +63,7 @@ def geometry(backbone: str, size: str, tokens: int) -> tuple[int, dict]:
 def verdict(ratio: float, target: Optional[float]) -> str:
     if target is None or math.isnan(ratio):
         return ""
-    return "met" if ratio <= target else f"missed by {100 * (ratio / target - 1):.0f}%"
+    return "met" if ratio <= target else f"missed by {100 * (ratio / target - 1):.1f}%"
 
 
 def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.device, repeats: int) -> list[list]:

@@ -29,7 +29,10 @@ def test_hard_cap_is_u_min_sigma_beta_vt(shape):
     scale = (shape[1] / shape[0]) ** 0.5
     u, s, vh = torch.linalg.svd(w * scale, full_matrices=False)
     expected = (u * s.clamp(max=beta)) @ vh / scale
-    torch.testing.assert_close(constraints.hard_cap(w, beta), expected, atol=1e-10, rtol=1e-10)
+    # the paper's msign formula (no SVD of the result needed) is the reference for our one-SVD version
+    torch.testing.assert_close(constraints.hard_cap_msign_formula(w, beta), expected, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(constraints.hard_cap(w, beta), constraints.hard_cap_msign_formula(w, beta),
+                               atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6)])

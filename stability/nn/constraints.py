@@ -20,8 +20,19 @@ def msign(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def hard_cap(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
-    """Spectral hard cap, W ↦ U·min(Σ, β)·Vᵀ in RMS units, by the msign formula
-    cap(M; β) = ½[β f(M) + M − f(βI − f(M)Mᵀ)(β f(M) − M)], f = msign."""
+    """Spectral hard cap, W ↦ U·min(Σ, β)·Vᵀ in RMS units (β = σ_max), from one SVD.
+
+    The paper computes the same map without an SVD, by the msign formula
+    (:func:`hard_cap_msign_formula`, tested equal); with an exact msign that costs two SVDs, and
+    the second, of βI − f(M)Mᵀ, has the repeated singular value β for every tall matrix, on which
+    LAPACK's divide-and-conquer SVD can fail to converge."""
+    scale = rms_scale(weight)
+    u, s, vh = torch.linalg.svd(weight * scale, full_matrices=False)
+    return (u * s.clamp_max(sigma_max).unsqueeze(-2)) @ vh / scale
+
+
+def hard_cap_msign_formula(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
+    """cap(M; β) = ½[β f(M) + M − f(βI − f(M)Mᵀ)(β f(M) − M)], f = msign (Newhouse et al. 2025)."""
     scale = rms_scale(weight)
     m = weight * scale
     f = msign(m)

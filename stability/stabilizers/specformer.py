@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import attention_sites
-from ..nn.spectral import power_iteration, sigma_from_vectors
+from ..nn.spectral import grouped_by_shape, power_iteration, sigma_from_vectors
 from .base import ForwardStep, Stabilizer
 
 PARTS = ("q", "k", "v")
@@ -80,16 +80,27 @@ class Specformer(Stabilizer):
     def sigmas(self, network: nn.Module, update: bool = True) -> dict[str, list[torch.Tensor]]:
         """σ₁ estimates per part: a list (one per attention module) of (H,) tensors with gradient.
 
-        ``update`` runs the power iteration first (once per training step)."""
+        ``update`` runs the power iteration first (once per training step). All head blocks of
+        one shape (every layer and part, usually) are iterated and evaluated in one batched call."""
+        sites = attention_sites(network)
+        keys = [(site, part) for site in sites for part in PARTS]
+        blocks = [head_blocks(site.qkv.weight, part, site.num_heads, self.blocks) for site, part in keys]
+        sigmas: list[torch.Tensor] = [None] * len(keys)  # type: ignore[list-item]
+        for indices, stacked in grouped_by_shape(blocks):  # (G, H, m, n), differentiable in the weights
+            u = torch.stack([getattr(keys[i][0].module, f"specformer_u_{keys[i][1]}") for i in indices])
+            v = torch.stack([getattr(keys[i][0].module, f"specformer_v_{keys[i][1]}") for i in indices])
+            if update:
+                u, v = power_iteration(stacked.detach(), u, v, self.iterations)
+                for j, i in enumerate(indices):
+                    site, part = keys[i]
+                    getattr(site.module, f"specformer_u_{part}").copy_(u[j])
+                    getattr(site.module, f"specformer_v_{part}").copy_(v[j])
+            values = sigma_from_vectors(stacked, u, v)  # (G, H)
+            for j, i in enumerate(indices):
+                sigmas[i] = values[j]
         out: dict[str, list[torch.Tensor]] = {p: [] for p in PARTS}
-        for site in attention_sites(network):
-            for part in PARTS:
-                w = head_blocks(site.qkv.weight, part, site.num_heads, self.blocks)
-                u, v = getattr(site.module, f"specformer_u_{part}"), getattr(site.module, f"specformer_v_{part}")
-                if update:
-                    u_new, v_new = power_iteration(w.detach(), u, v, self.iterations)
-                    u.copy_(u_new), v.copy_(v_new)
-                out[part].append(sigma_from_vectors(w, u, v))
+        for (_, part), sigma in zip(keys, sigmas):
+            out[part].append(sigma)
         return out
 
     def penalty(self, network: nn.Module, update: bool = True) -> torch.Tensor:
