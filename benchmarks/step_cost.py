@@ -35,6 +35,7 @@ class Case:
 CASES = [
     Case("none", "none"),
     Case("jasmin k=10", "jasmin", {"lam": 1e-2, "k": 10}, target=1.25, gpu_target=1.3),
+    Case("jasmin k=10, streamed", "jasmin", {"lam": 1e-2, "k": 10, "row_statistics": "streamed"}, vit_only=True),
     Case("jasmin k=10, materialized", "jasmin", {"lam": 1e-2, "k": 10, "row_statistics": "materialized"},
          vit_only=True),
     Case("specformer", "specformer", {"lam_q": 1e-2, "lam_k": 1e-2, "lam_v": 1e-2}, target=1.10, gpu_target=1.10),

@@ -83,8 +83,7 @@ class ImageClassifier(L.LightningModule):
         self.network = Network(net, mean, std, image_size)
         for stab in sorted(self.stabilizers, key=lambda s: s.prepare_order):
             stab.prepare(self.network)
-        self._needs_probs = any(s.needs_attention_probs for s in self.stabilizers)
-        self._needs_queries_keys = any(s.needs_queries_keys for s in self.stabilizers)
+        self._stabilizers_device: Optional[torch.device] = None
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -101,8 +100,14 @@ class ImageClassifier(L.LightningModule):
     def losses(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Logits and the loss terms of one training forward pass: ``{"task": ..., <stabilizer>: ...}``."""
         backbone = self.network.backbone
-        probs_ctx = capture_attention(backbone) if self._needs_probs else contextlib.nullcontext([])
-        qk_ctx = capture_queries_keys(backbone) if self._needs_queries_keys else contextlib.nullcontext([])
+        if images.device != self._stabilizers_device:
+            for stab in self.stabilizers:
+                stab.on_device(images.device)
+            self._stabilizers_device = images.device
+        needs_probs = any(s.needs_attention_probs for s in self.stabilizers)
+        needs_queries_keys = any(s.needs_queries_keys for s in self.stabilizers)
+        probs_ctx = capture_attention(backbone) if needs_probs else contextlib.nullcontext([])
+        qk_ctx = capture_queries_keys(backbone) if needs_queries_keys else contextlib.nullcontext([])
         with probs_ctx as probs, qk_ctx as queries_keys:
             logits = self.network(images)
         terms = {"task": F.cross_entropy(logits, targets, label_smoothing=self.hparams.label_smoothing)}

@@ -153,9 +153,17 @@ def test_row_statistics_choice_follows_the_backbone():
     swin = network("swin", embed_dim=16, depths=(1, 1), num_heads=(2, 2), window_size=2)
     auto = JaSMin(lam=1e-2)
     auto.prepare(vit)
+    auto.on_device(torch.device("cpu"))  # the CPU: materialised (faster there)
+    assert not auto.streamed and auto.needs_attention_probs and not auto.needs_queries_keys
+    auto.on_device(torch.device("cuda"))  # CUDA: streamed, fused attention kept
     assert auto.streamed and auto.needs_queries_keys and not auto.needs_attention_probs
+    streamed = JaSMin(lam=1e-2, row_statistics="streamed")
+    streamed.prepare(vit)
+    streamed.on_device(torch.device("cpu"))
+    assert streamed.streamed and streamed.needs_queries_keys
     on_swin = JaSMin(lam=1e-2)
     on_swin.prepare(swin)
+    on_swin.on_device(torch.device("cuda"))
     assert not on_swin.streamed and on_swin.needs_attention_probs
     forced = JaSMin(lam=1e-2, row_statistics="materialized")
     forced.prepare(vit)

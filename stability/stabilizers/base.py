@@ -61,6 +61,9 @@ class Stabilizer:
         """Return an optimizer to use instead of ``default(network.named_parameters())``, or None."""
         return None
 
+    def on_device(self, device: torch.device) -> None:
+        """Called before the first training forward pass on ``device`` (and again if it changes)."""
+
     def after_optimizer_step(self, network: nn.Module) -> None:
         """Project weights after each optimizer step."""
 

@@ -9,8 +9,8 @@ restated in METHODS.md §2). For Swin and CSwin the rows of all windows / stripe
 count as the rows of that image's map. g₁ bounds ‖J_softmax(P_i)‖₂ (Theorem 4), so lowering it
 lowers the local Lipschitz bound of each head (Theorem 3).
 
-Only the top-(k+1) probabilities of each row enter, so on ViT (``row_statistics="auto"`` or
-``"streamed"``) they come from each row's log-sum-exp and top logits computed a block of rows
+Only the top-(k+1) probabilities of each row enter, so on ViT (``row_statistics="streamed"``, or
+``"auto"`` on CUDA) they come from each row's log-sum-exp and top logits computed a block of rows
 at a time from the captured queries and keys (:mod:`stability.nn.row_statistics`): the attention
 output keeps the fused kernel and no N×N probability map is stored. Swin (relative-position bias,
 window masks), CSwin and replaced attention kernels use the materialised maps.
@@ -35,9 +35,9 @@ class JaSMin(Stabilizer):
         k: 0 for the bound variant (log g₁), or k > 1 for the ratio variant log(g₁/(g_k + ε)).
         reduction: ``max`` or ``mean`` over the rows of each attention map.
         eps: ε of the ratio variant, and the floor of g₁ inside the log.
-        row_statistics: ``auto`` (streamed where the backbone allows it, i.e. plain ViT
-            attention), ``streamed`` (an error elsewhere) or ``materialized`` (always record
-            the probability maps, the fused path off).
+        row_statistics: ``auto`` (streamed on CUDA where the backbone allows it, i.e. plain ViT
+            attention; materialised on the CPU, where that is faster), ``streamed`` (an error
+            elsewhere) or ``materialized`` (always record the probability maps, the fused path off).
     """
 
     name = "jasmin"
@@ -58,6 +58,7 @@ class JaSMin(Stabilizer):
         self.lam, self.k, self.reduction, self.eps = lam, k, reduction, eps
         self.row_statistics = row_statistics
         self.streamed = False
+        self._supported = False
         self.needs_attention_probs = lam > 0
 
     @property
@@ -66,11 +67,21 @@ class JaSMin(Stabilizer):
         return max(self.k, 1) + 1
 
     def prepare(self, network) -> None:
-        supported = supports_query_key_capture(network.backbone)
-        if self.row_statistics == "streamed" and not supported:
+        self._supported = supports_query_key_capture(network.backbone)
+        if self.row_statistics == "streamed" and not self._supported:
             raise ValueError("jasmin: row_statistics='streamed' needs plain ViT attention (Swin's bias and masks, "
                              "CSwin and replaced kernels need the materialised maps); use 'auto' or 'materialized'")
-        self.streamed = self.lam > 0 and self.row_statistics != "materialized" and supported
+        self._choose(streamed=self.row_statistics == "streamed")
+
+    def on_device(self, device: torch.device) -> None:
+        """``auto`` streams on CUDA, where the baseline's fused (flash) attention is worth keeping and
+        N×N maps are the memory problem; on the CPU the materialised path is faster (its top-k
+        runs once, the streamed backward recomputes the logits; results/benchmarks/)."""
+        if self.row_statistics == "auto":
+            self._choose(streamed=self._supported and device.type == "cuda")
+
+    def _choose(self, streamed: bool) -> None:
+        self.streamed = self.lam > 0 and streamed
         self.needs_attention_probs = self.lam > 0 and not self.streamed
         self.needs_queries_keys = self.streamed
 
