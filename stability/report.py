@@ -257,19 +257,38 @@ def _figure(width: float = 7.5, height: float = 4.8):
 
 
 def _styles(configurations: list[Configuration]) -> dict[str, dict[str, Any]]:
-    """One colour per stabilizer, one marker / line style per configuration within it."""
+    """Colour, marker, line style and a short legend name per configuration: one colour per
+    stabilizer (one per configuration when a stabilizer has more than six), a marker / line style
+    per configuration within it."""
     import matplotlib
 
-    palette = matplotlib.colormaps["tab10"].colors
     stabilizers = list(dict.fromkeys(c.stabilizer for c in configurations))
+    counts = {name: sum(c.stabilizer == name for c in configurations) for name in stabilizers}
+    per_configuration = max(counts.values()) > 6
+    palette = matplotlib.colormaps["tab20" if per_configuration else "tab10"].colors
     markers, dashes = "osD^v<>pP*X", ["-", "--", ":", "-."]
     styles, seen = {}, {}
-    for config in configurations:
+    for index, config in enumerate(configurations):
         n = seen.get(config.stabilizer, 0)
         seen[config.stabilizer] = n + 1
-        styles[config.label] = {"color": palette[stabilizers.index(config.stabilizer) % 10],
-                                "marker": markers[n % len(markers)], "linestyle": dashes[n % len(dashes)]}
+        colour = palette[(index if per_configuration else stabilizers.index(config.stabilizer)) % len(palette)]
+        styles[config.label] = {"color": colour, "marker": markers[n % len(markers)],
+                                "linestyle": dashes[n % len(dashes)], "name": short_names(configurations)[config.label]}
     return styles
+
+
+def short_names(configurations: list[Configuration]) -> dict[str, str]:
+    """Legend names: ``stabilizer=X`` becomes ``X:``, a stabilizer's own options lose its prefix, and
+    settings shared by every configuration of that stabilizer are left out."""
+    parts = {c.label: c.label.split(", ") for c in configurations}
+    names = {}
+    for config in configurations:
+        family = [parts[c.label] for c in configurations if c.stabilizer == config.stabilizer]
+        shared = set.intersection(*(set(f) for f in family)) if len(family) > 1 else set()
+        kept = [part.removeprefix(f"{config.stabilizer}.") for part in parts[config.label]
+                if part not in shared and not part.startswith("stabilizer=")]
+        names[config.label] = f"{config.stabilizer}: {', '.join(kept)}" if kept else config.stabilizer
+    return names
 
 
 def _legend(ax, count: int) -> None:
@@ -307,7 +326,7 @@ def plot_accuracy_vs_lipschitz(configurations, styles, path: Path, title: str, c
                     xerr=statistics.stdev(lip) if len(lip) > 1 and not certified else None,
                     yerr=statistics.stdev(acc) if len(acc) > 1 else None,
                     color=style["color"], marker=style["marker"], linestyle="none", capsize=3,
-                    markersize=7, label=config.label)
+                    markersize=7, label=style["name"])
         drawn += 1
     ax.set_xscale("log")
     ax.set_xlabel("certified global Lipschitz bound, mean over seeds (log scale)" if certified
@@ -337,7 +356,7 @@ def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> boo
             style = styles[config.label]
             scale = 255 if norm == "Linf" else 1
             ax.plot([b * scale for b in budgets], means, color=style["color"], marker=style["marker"],
-                    linestyle=style["linestyle"], label=config.label)
+                    linestyle=style["linestyle"], label=style["name"])
         ax.set_xlabel("ε (×1/255)" if norm == "Linf" else "ε (ℓ2, pixel units)")
         ax.set_ylabel("accuracy")
         ax.set_ylim(-0.02, 1.02)
@@ -364,7 +383,7 @@ def plot_loss_curves(configurations, styles, path: Path, title: str) -> bool:
             steps, values = zip(*curve)
             values = [v if math.isfinite(v) else math.nan for v in values]
             ax.plot(steps, values, color=style["color"], linestyle=style["linestyle"], alpha=0.8, linewidth=1.2,
-                    label=config.label if i == 0 else None)
+                    label=style["name"] if i == 0 else None)
         for run in config.runs:
             if run.status == "diverged" and run.scalars.get("hp/diverged_at_step"):
                 ax.axvline(run.scalars["hp/diverged_at_step"][-1][1], color=style["color"], linestyle=":",
@@ -415,7 +434,7 @@ def plot_lipschitz_distribution(configurations, path: Path, title: str) -> bool:
                 merged[limit] = merged.get(limit, 0.0) + count
         keys = sorted(merged)
         q05, q25, q50, q75, q95 = weighted_quantiles(keys, [merged[k] for k in keys], [.05, .25, .5, .75, .95])
-        stats.append({"label": config.label, "whislo": q05, "q1": q25, "med": q50, "q3": q75, "whishi": q95,
+        stats.append({"label": styles[config.label]["name"], "whislo": q05, "q1": q25, "med": q50, "q3": q75, "whishi": q95,
                       "fliers": []})
         colors.append(styles[config.label]["color"])
     if not stats:
