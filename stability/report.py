@@ -484,7 +484,9 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
              + "; diverged runs count only in `diverged`. Robust columns: attack_norm_ε on the evaluation subset; "
                "`Lip local`: power-iteration estimate of ‖J_f(x)‖₂ per point; `certified log10`: log10 of a "
                "certified global bound where the model has one; `task loss`: last epoch's training "
-               "cross-entropy; `s/epoch`: training steps only.", "", table(configurations), ""]
+               "cross-entropy; `s/epoch`: training steps only. The Lipschitz distributions are drawn from "
+               "TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
+             table(configurations), ""]
     for name, drawn in plots.items():
         if drawn:
             lines += [f"![{name[:-4]}]({name})", ""]
