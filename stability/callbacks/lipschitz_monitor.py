@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..lipschitz import empirical_lower_bound, jacobian_norm
 from ..lipschitz.attention import attention_diagnostics
-from ..nn.spectral import rms_scale
+from ..nn.spectral import rms_scale, spectral_norms
 from .subset import first_points, has_finite_weights
 
 
@@ -90,12 +90,11 @@ class LipschitzMonitor(L.Callback):
                 for stat, values in stats.items():
                     metrics.update({f"attention/{layer}/{stat}_h{h}": float(v) for h, v in enumerate(values)})
         if self.weights:
-            for name, module in pl_module.network.named_modules():
-                if isinstance(module, torch.nn.Linear):
-                    weight = module.weight.detach().float()
-                    sigma = float(torch.linalg.matrix_norm(weight, ord=2))
-                    metrics[f"weights/sigma/{name}"] = sigma
-                    metrics[f"weights/rms/{name}"] = sigma * rms_scale(weight)  # one SVD for both
+            linears = {name: m.weight.detach() for name, m in pl_module.network.named_modules()
+                       if isinstance(m, torch.nn.Linear)}
+            for (name, weight), sigma in zip(linears.items(), spectral_norms(list(linears.values())).tolist()):
+                metrics[f"weights/sigma/{name}"] = sigma
+                metrics[f"weights/rms/{name}"] = sigma * rms_scale(weight)
         pl_module.log_dict(metrics)
         for logger in trainer.loggers:
             if hasattr(logger.experiment, "add_histogram"):

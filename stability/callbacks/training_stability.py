@@ -1,7 +1,8 @@
 """Training-stability signals: gradient norms (global, per block), max |activation| per block,
 loss spikes, the time the training steps of an epoch took (``time/train_epoch_s``: forward,
-backward and optimizer step, without data loading, validation or measurements), and divergence — a non-finite loss or a task loss above ``divergence_factor`` × its
-running value stops the run cleanly and records where and why (a result, not a crash)."""
+backward and optimizer step, without data loading, validation or measurements), and divergence —
+a non-finite loss or a task loss above ``divergence_factor`` × its running value stops the run
+cleanly and records where and why (a result, not a crash)."""
 from __future__ import annotations
 
 import json
