@@ -15,6 +15,7 @@ configuration, and writes under ``results/<study>/`` (``--out``):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shlex
@@ -65,7 +66,9 @@ class RunRecord:
                 return found
         return {}
 
+    @functools.cached_property
     def summary(self) -> dict[str, Optional[float]]:
+        """The run's values for the table's columns (read once)."""
         times = [v for _, v in self.scalars.get("time/train_epoch_s", [])]
         row = {
             "clean acc": self.last("test/acc", "val/acc"),
@@ -186,7 +189,7 @@ class Configuration:
     def values(self, column: str) -> list[float]:
         out = []
         for run in self.finished:
-            value = run.summary().get(column)
+            value = run.summary.get(column)
             if value is not None and math.isfinite(value):
                 out.append(value)
         return out
@@ -267,13 +270,14 @@ def _styles(configurations: list[Configuration]) -> dict[str, dict[str, Any]]:
     per_configuration = max(counts.values()) > 6
     palette = matplotlib.colormaps["tab20" if per_configuration else "tab10"].colors
     markers, dashes = "osD^v<>pP*X", ["-", "--", ":", "-."]
+    names = short_names(configurations)
     styles, seen = {}, {}
     for index, config in enumerate(configurations):
         n = seen.get(config.stabilizer, 0)
         seen[config.stabilizer] = n + 1
         colour = palette[(index if per_configuration else stabilizers.index(config.stabilizer)) % len(palette)]
         styles[config.label] = {"color": colour, "marker": markers[n % len(markers)],
-                                "linestyle": dashes[n % len(dashes)], "name": short_names(configurations)[config.label]}
+                                "linestyle": dashes[n % len(dashes)], "name": names[config.label]}
     return styles
 
 

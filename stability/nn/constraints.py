@@ -79,9 +79,7 @@ def hammer(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
 
 def normalise(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
     """Spectral normalisation: W ← W / max(1, ‖W‖_RMS / σ_max)."""
-    if weight.ndim == 2:
-        return weight / max(1.0, rms_norm(weight) / sigma_max)
-    norms = torch.linalg.matrix_norm(weight, ord=2) * rms_scale(weight)
+    norms = torch.linalg.matrix_norm(weight, ord=2) * rms_scale(weight)  # one per matrix of a stack
     return weight / (norms / sigma_max).clamp_min(1.0)[..., None, None]
 
 
