@@ -4,7 +4,7 @@ import torch
 
 from stability.models import attention_sites, build_backbone, capture_attention
 from stability.nn.softmax_bounds import g_k, softmax_jacobian
-from stability.stabilizers import JaSMin
+from stability.stabilizers.jasmin import JaSMin
 
 
 def random_distributions(n_rows=200, n=12, seed=0):

@@ -12,7 +12,7 @@ from stability.models import attention_sites, norm_sites, residual_sites
 from stability.nn.center_norm import CenterNorm
 from stability.nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
 from stability.nn.spectral import conv_operator_norm, spectral_init_
-from stability.stabilizers import LipsFormer
+from stability.stabilizers.lipsformer import LipsFormer
 
 VIT = dict(embed_dim=16, depth=2, num_heads=2)
 
@@ -66,7 +66,8 @@ def test_kernel_fused_and_explicit_paths_agree_and_eps_must_be_positive():
     kernel = ScaledCosineKernel(2, tau=4.0, nu=0.5, eps=1e-3)
     q, k, v = (torch.randn(3, 2, 7, 4) for _ in range(3))
     bias = torch.randn(1, 2, 7, 7)
-    torch.testing.assert_close(kernel(q, k, v, bias, nn.Dropout(0.0), True), kernel(q, k, v, bias, nn.Dropout(0.0), False))
+    fused, explicit = (kernel(q, k, v, bias, nn.Dropout(0.0), path) for path in (True, False))
+    torch.testing.assert_close(fused, explicit)
     with pytest.raises(ValueError, match="eps > 0"):
         ScaledCosineKernel(2, eps=0.0)
 
@@ -75,7 +76,8 @@ def test_spectral_init_gives_unit_sigma_by_svd():
     net = nn.Sequential(nn.Linear(7, 5), nn.Conv2d(3, 4, 3), nn.Linear(5, 9))
     spectral_init_(net)
     for m in net:
-        assert float(torch.linalg.matrix_norm(m.weight.reshape(m.weight.shape[0], -1), ord=2)) == pytest.approx(1.0, rel=1e-5)
+        sigma = float(torch.linalg.matrix_norm(m.weight.reshape(m.weight.shape[0], -1), ord=2))
+        assert sigma == pytest.approx(1.0, rel=1e-5)
 
 
 def exact_conv_norm(conv, shape):

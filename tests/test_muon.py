@@ -7,8 +7,7 @@ import torch
 
 from stability.classifier import ImageClassifier
 from stability.nn import constraints
-from stability.stabilizers import MuonConstrained
-from stability.stabilizers.muon import hidden_matrices
+from stability.stabilizers.muon import MuonConstrained, hidden_matrices
 
 VIT = dict(embed_dim=16, depth=1, num_heads=2)
 
@@ -58,7 +57,8 @@ def test_normalise_divides_only_when_above_the_target():
 def test_soft_cap_alpha_maps_k_to_sigma_max_and_the_polynomial_matches_svd(k, sigma_max):
     alpha = constraints.soft_cap_alpha(k, sigma_max)
     assert alpha > 0
-    assert float(constraints.soft_cap_polynomial(torch.tensor(k, dtype=torch.float64), alpha)) == pytest.approx(sigma_max)
+    capped_k = constraints.soft_cap_polynomial(torch.tensor(k, dtype=torch.float64), alpha)
+    assert float(capped_k) == pytest.approx(sigma_max)
     w = random_matrix(6, 10, seed=4)
     w = w / constraints.rms_norm(w) * k  # top RMS singular value exactly k
     capped = constraints.soft_cap(w, alpha)
@@ -141,10 +141,8 @@ def test_bad_options():
 
 
 def test_lipschitz_transformer_architecture():
-    from torch import nn
-    from stability.models import attention_sites, norm_sites
-    from stability.nn.cosine_attention import LipschitzDotKernel
-    from stability.nn.lipschitz_blocks import ConvexResidualBlock, ScaledGELU
+    from stability.models import ConvexResidualBlock, attention_sites, norm_sites
+    from stability.nn.lipschitz_blocks import LipschitzDotKernel, ScaledGELU
 
     module = _module("soft_cap", lipschitz_transformer=True, attention_scale=2.0)
     backbone = module.network.backbone
@@ -173,7 +171,8 @@ def test_constraints_on_a_stack_equal_each_matrix_alone(name):
     stack = torch.randn(4, 6, 9, generator=gen, dtype=torch.float64) * torch.tensor([0.2, 0.5, 1.5, 3.0],
                                                                                      dtype=torch.float64)[:, None, None]
     apply = {"normalise": lambda w: constraints.normalise(w, 1.0), "hammer": lambda w: constraints.hammer(w, 1.0),
-             "hard_cap": lambda w: constraints.hard_cap(w, 1.0), "soft_cap": lambda w: constraints.soft_cap(w, 0.05)}[name]
+             "hard_cap": lambda w: constraints.hard_cap(w, 1.0),
+             "soft_cap": lambda w: constraints.soft_cap(w, 0.05)}[name]
     batched = apply(stack)
     for i in range(4):
         assert torch.allclose(batched[i], apply(stack[i]), atol=1e-10), i

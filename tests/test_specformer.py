@@ -5,8 +5,7 @@ import torch
 from stability.classifier import ImageClassifier
 from stability.models import attention_sites, build_backbone
 from stability.nn.spectral import power_iteration, sigma_from_vectors
-from stability.stabilizers import Specformer
-from stability.stabilizers.specformer import head_blocks
+from stability.stabilizers.specformer import Specformer, head_blocks
 
 VIT = dict(embed_dim=16, depth=2, num_heads=2)
 
@@ -47,7 +46,8 @@ def test_penalty_gradient_matches_autograd_through_exact_sigma():
     exact = 0.0
     for site in attention_sites(net):
         for part, lam in zip("qkv", (0.3, 0.2, 0.1)):
-            exact = exact + lam * torch.linalg.matrix_norm(head_blocks(site.qkv.weight, part, 2, "rows"), ord=2).pow(2).sum()
+            blocks = head_blocks(site.qkv.weight, part, 2, "rows")
+            exact = exact + lam * torch.linalg.matrix_norm(blocks, ord=2).pow(2).sum()
     exact.backward()
     for got, site in zip(ours, attention_sites(net)):
         torch.testing.assert_close(got, site.qkv.weight.grad, atol=1e-6, rtol=1e-5)

@@ -3,14 +3,14 @@ import pytest
 import torch
 
 from stability.classifier import ImageClassifier
-from stability.stabilizers import SpectralNorm
-from stability.stabilizers.spectral_norm import chosen_linears
+from stability.models import linear_layers
+from stability.stabilizers.spectral_norm import SpectralNorm
 
 VIT = dict(embed_dim=16, depth=1, num_heads=2)
 
 
 def max_sigma(network, layers="all"):
-    return max(float(torch.linalg.matrix_norm(lin.weight.detach(), ord=2)) for lin in chosen_linears(network, layers))
+    return max(float(torch.linalg.matrix_norm(lin.weight.detach(), ord=2)) for lin in linear_layers(network, layers))
 
 
 @pytest.mark.parametrize("layers", ["all", "attention", "mlp"])
@@ -20,16 +20,16 @@ def test_project_caps_every_chosen_weight_and_leaves_small_ones(layers):
     assert max_sigma(module.network, layers) <= 0.5 + 1e-5
     stab = module.stabilizers[0]
     with torch.no_grad():
-        for lin in chosen_linears(module.network, layers):
+        for lin in linear_layers(module.network, layers):
             lin.weight.mul_(100.0)
-    small = chosen_linears(module.network, layers)[0]
+    small = linear_layers(module.network, layers)[0]
     with torch.no_grad():
         small.weight.mul_(0.01)
     before = small.weight.clone()
     stab.after_optimizer_step(module.network)
     assert max_sigma(module.network, layers) <= 0.5 + 1e-5
     assert torch.equal(small.weight, before)  # below the cap: untouched
-    capped = chosen_linears(module.network, layers)[-1]
+    capped = linear_layers(module.network, layers)[-1]
     assert float(torch.linalg.matrix_norm(capped.weight.detach(), ord=2)) == pytest.approx(0.5, rel=1e-5)
 
 
@@ -40,7 +40,7 @@ def test_parametrize_sets_sigma_to_sigma_max_and_checkpoints_reload():
     for _ in range(50):  # torch's spectral_norm refines u, v on each training forward
         module.network(torch.rand(2, 1, 8, 8))
     module.eval()
-    for lin in chosen_linears(module.network, "all"):
+    for lin in linear_layers(module.network, "all"):
         assert float(torch.linalg.matrix_norm(lin.weight, ord=2)) == pytest.approx(2.0, rel=1e-3)
     again = ImageClassifier(backbone_options=VIT, stabilizer="spectral_norm", stabilizer_options=options)
     again.load_state_dict(module.state_dict())

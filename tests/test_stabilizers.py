@@ -6,38 +6,10 @@ import torch
 from stability.classifier import ImageClassifier
 from stability.data import Digits
 from stability.models import attention_sites
-from stability.stabilizers import REGISTRY, NoStabilizer, Stabilizer, build_stabilizers, stabilizer_names
+from stability.stabilizers import REGISTRY, Stabilizer, build_stabilizers, stabilizer_names
+from stability.stabilizers.none import NoStabilizer
 
 TINY_VIT = {"embed_dim": 16, "depth": 1, "num_heads": 2}
-
-
-class Recorder(Stabilizer):
-    """Test stabilizer that records each hook call and uses each hook for real."""
-
-    name = "recorder"
-    needs_attention_probs = True
-
-    def __init__(self, weight: float = 0.1, bound: float = 3.0):
-        self.weight, self.bound = weight, bound
-        self.calls = {"prepare": 0, "loss": 0, "after_step": 0}
-        self.prob_shapes = []
-
-    def prepare(self, network):
-        self.calls["prepare"] += 1
-        network.backbone.head.bias.data.fill_(0.0)
-
-    def loss(self, step):
-        self.calls["loss"] += 1
-        self.prob_shapes = [tuple(p.shape) for p in step.attention_probs]
-        return self.weight * step.logits.pow(2).mean()
-
-    def after_optimizer_step(self, network):
-        self.calls["after_step"] += 1
-        with torch.no_grad():
-            network.backbone.head.weight.clamp_(-0.05, 0.05)
-
-    def lipschitz_bound(self, network):
-        return self.bound
 
 
 class SGDSupplier(Stabilizer):
@@ -48,8 +20,7 @@ class SGDSupplier(Stabilizer):
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    monkeypatch.setitem(REGISTRY, "recorder", Recorder)
+def registered(monkeypatch, recorder):
     monkeypatch.setitem(REGISTRY, "sgd_supplier", SGDSupplier)
 
 

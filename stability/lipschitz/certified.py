@@ -37,11 +37,10 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..models import AttentionSite
+from ..models import AttentionSite, ConvexResidualBlock, KernelAttention
 from ..nn.center_norm import CenterNorm
-from ..nn.cosine_attention import KernelAttention, ScaledCosineKernel, scsa_lipschitz_bound
-from ..nn.cosine_attention import LipschitzDotKernel
-from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, ConvexResidualBlock, ScaledGELU
+from ..nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
+from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, ScaledGELU
 
 
 class Unbounded(Exception):

@@ -16,7 +16,7 @@ Stripe widths must divide each stage's resolution; a clear error says otherwise.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """The network a stabilizer, an attack or a Lipschitz estimate sees: raw pixels in, logits out."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

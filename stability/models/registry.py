@@ -6,7 +6,8 @@ overridden, e.g. ``build_backbone("swin", "micro", img_size=32, window_size=4)``
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer

@@ -17,8 +17,8 @@ The fused (flash / SDPA) path stays on unless a caller asks for the probabilitie
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn

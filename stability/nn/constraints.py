@@ -1,5 +1,5 @@
 """Weight constraints of "Training Transformers with Enforced Lipschitz Constants"
-(Newhouse et al. 2025; METHODS.md §4), applied after every optimizer step.
+(Newhouse et al. 2025; docs/methods.md#muon-and-weight-constraints), applied after every optimizer step.
 
 All act on M = sqrt(d_in/d_out)·W, whose spectral norm is the RMS→RMS norm of W, and take a
 target σ_max in those units. Each returns the new W.

@@ -1,4 +1,4 @@
-"""Building blocks of Newhouse et al.'s Lipschitz transformer (METHODS.md §4)."""
+"""Building blocks of Newhouse et al.'s Lipschitz transformer (docs/methods.md#lipschitz-transformer)."""
 from __future__ import annotations
 
 import math
@@ -19,17 +19,22 @@ class ScaledGELU(nn.Module):
         return F.gelu(x) / GELU_LIPSCHITZ
 
 
-class ConvexResidualBlock(nn.Module):
-    """x ← (1 − a)·x + a·attn(norm1(x)); x ← (1 − a)·x + a·mlp(norm2(x)), for a timm ViT / Swin
-    block or a CSwin block (whose own residual additions and DropPath are bypassed)."""
+class LipschitzDotKernel(nn.Module):
+    """(1/3)·softmax(s·QKᵀ/d + B)·V per head: the attention of Newhouse et al.'s Lipschitz
+    transformer (1/d instead of 1/√d; the 1/3 sits before W_O)."""
 
-    def __init__(self, block: nn.Module, a: float) -> None:
+    def __init__(self, head_dim: int, s: float = 1.0) -> None:
         super().__init__()
-        if not 0 < a <= 1:
-            raise ValueError(f"convex residual weight must be in (0, 1], got {a}")
-        self.block, self.a = block, a
+        self.head_dim, self.s = head_dim, s
 
-    def forward(self, x: torch.Tensor, **_) -> torch.Tensor:
-        attention = self.block._attn if hasattr(self.block, "_attn") else self.block.attn  # Swin partitions windows in _attn
-        x = (1 - self.a) * x + self.a * attention(self.block.norm1(x))
-        return (1 - self.a) * x + self.a * self.block.mlp(self.block.norm2(x))
+    def forward(self, q, k, v, bias, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
+        scale = self.s / self.head_dim
+        if fused:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
+                                                 dropout_p=attn_drop.p if self.training else 0.0)
+        else:
+            logits = scale * (q @ k.transpose(-2, -1))
+            if bias is not None:
+                logits = logits + bias
+            out = attn_drop(logits.softmax(dim=-1)) @ v
+        return out / 3.0

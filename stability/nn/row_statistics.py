@@ -16,8 +16,6 @@ materialised softmax and against ``torch.autograd.gradcheck``.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -43,7 +41,7 @@ class _RowStatistics(torch.autograd.Function):
         return lse, top, index
 
     @staticmethod
-    def backward(ctx, grad_lse: Optional[torch.Tensor], grad_top: Optional[torch.Tensor], _grad_index):
+    def backward(ctx, grad_lse: torch.Tensor | None, grad_top: torch.Tensor | None, _grad_index):
         q, k, lse, index = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
         grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)

@@ -1,7 +1,7 @@
 """Spectral norms and the weight operations built on them.
 
 σ₁(W) is the largest singular value. The RMS→RMS norm of a (d_out × d_in) matrix is
-‖W‖_RMS = sqrt(d_in / d_out) · σ₁(W) (Newhouse et al. 2025; METHODS.md §4).
+‖W‖_RMS = sqrt(d_in / d_out) · σ₁(W) (Newhouse et al. 2025; docs/methods.md#muon-and-weight-constraints).
 """
 from __future__ import annotations
 

@@ -1,18 +1,20 @@
 """Stabilizers by name. ``--stabilizer NAME[,NAME…]`` picks them; each one's options are its
-constructor arguments (``--NAME.option value`` on the command line, ``NAME:`` in YAML)."""
+constructor arguments (``--NAME.option value`` on the command line, ``NAME:`` in YAML).
+
+Every module of this package is imported here, so a stabilizer registers itself
+(:func:`~stability.stabilizers.base.register_stabilizer`) by being defined in one.
+"""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import importlib
+import pkgutil
+from collections.abc import Sequence
+from typing import Any
 
-from .base import ForwardStep, Stabilizer
-from .jasmin import JaSMin
-from .lipsformer import LipsFormer
-from .muon import MuonConstrained
-from .none import NoStabilizer
-from .specformer import Specformer
-from .spectral_norm import SpectralNorm
+from .base import REGISTRY, ForwardStep, Stabilizer, register_stabilizer
 
-REGISTRY: dict[str, type[Stabilizer]] = {cls.name: cls for cls in (NoStabilizer, LipsFormer, JaSMin, Specformer, SpectralNorm, MuonConstrained)}
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def stabilizer_names(spec: str | Sequence[str]) -> list[str]:
@@ -51,4 +53,15 @@ def build_stabilizers(spec: str | Sequence[str], options: dict[str, dict[str, An
     return stabilizers
 
 
-__all__ = ["ForwardStep", "JaSMin", "LipsFormer", "MuonConstrained", "NoStabilizer", "Specformer", "SpectralNorm", "REGISTRY", "Stabilizer", "build_stabilizers", "stabilizer_names"]
+def methods_table(link_prefix: str = "") -> str:
+    """The Markdown table of every registered stabilizer, ``none`` first (README and
+    docs/methods.md carry it; a test keeps them equal). Links are relative to ``link_prefix``."""
+    rows = ["| name | what | source | file |", "| --- | --- | --- | --- |"]
+    for name, cls in sorted(REGISTRY.items(), key=lambda item: (item[0] != "none", item[0])):
+        path = f"stability/stabilizers/{cls.__module__.rpartition('.')[2]}.py"
+        rows.append(f"| `{name}` | {cls.summary} | {cls.source or '—'} | [{path}]({link_prefix}{path}) |")
+    return "\n".join(rows)
+
+
+__all__ = ["REGISTRY", "ForwardStep", "Stabilizer", "build_stabilizers", "methods_table", "register_stabilizer",
+           "stabilizer_names"]

@@ -16,14 +16,36 @@ calls, for each selected stabilizer, in the order given:
 4. ``after_optimizer_step(network)`` after every optimizer step, to project weights;
 5. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound, where the
    method has one (None otherwise — never a made-up number).
+
+A new method is one file in this package: a subclass with ``name``, ``summary`` and ``source``,
+decorated with :func:`register_stabilizer`. The package imports every module in it, so the
+method is then selectable, documented in the generated table and trained by the tests on every
+backbone.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Optional
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import nn
+
+REGISTRY: dict[str, type[Stabilizer]] = {}
+S = TypeVar("S", bound="type[Stabilizer]")
+
+
+def register_stabilizer(cls: S) -> S:
+    """Class decorator: make ``cls`` selectable as ``--stabilizer <cls.name>``.
+
+    Registration happens where the class is defined (as timm's ``@register_model``); the CLI, the
+    checkpoint restore, the docs table and the training tests all iterate :data:`REGISTRY`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(f"stabilizer name {cls.name!r} is taken by {REGISTRY[cls.name].__qualname__}")
+    REGISTRY[cls.name] = cls
+    return cls
 
 
 @dataclass
@@ -43,6 +65,8 @@ class Stabilizer:
     """Base class: every hook does nothing. Subclasses set ``name`` and override what they need."""
 
     name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line: what it does (the docs table)
+    source: ClassVar[str] = ""  # where it comes from (paper, year)
     # prepare() runs in this order (stable within a level): 0 for stabilizers that swap modules,
     # so that the others (which attach buffers or parametrisations) see the final architecture.
     prepare_order: ClassVar[int] = 1
@@ -52,12 +76,13 @@ class Stabilizer:
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""
 
-    def loss(self, step: ForwardStep) -> Optional[torch.Tensor]:
+    def loss(self, step: ForwardStep) -> torch.Tensor | None:
         """A scalar term added to the task loss, or None."""
         return None
 
-    def build_optimizer(self, network: nn.Module, default: Callable[[Iterable[tuple[str, nn.Parameter]]],
-                                                                     torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
+    def build_optimizer(self, network: nn.Module,
+                        default: Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Optimizer],
+                        ) -> torch.optim.Optimizer | None:
         """Return an optimizer to use instead of ``default(network.named_parameters())``, or None."""
         return None
 
@@ -67,7 +92,7 @@ class Stabilizer:
     def after_optimizer_step(self, network: nn.Module) -> None:
         """Project weights after each optimizer step."""
 
-    def lipschitz_bound(self, network: nn.Module) -> Optional[float]:
+    def lipschitz_bound(self, network: nn.Module) -> float | None:
         """A certified global ℓ2 Lipschitz upper bound of the network, or None where none exists."""
         return None
 

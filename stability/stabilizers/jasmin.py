@@ -5,7 +5,7 @@
 
 with R_i the max (or mean) over the rows i of an image's attention map, summed over layers l
 and heads h, averaged over the batch, and added to the task loss as λ·L (JaSMin, Sec. 4;
-restated in METHODS.md §2). For Swin and CSwin the rows of all windows / stripes of an image
+restated in docs/methods.md#jasmin). For Swin and CSwin the rows of all windows / stripes of an image
 count as the rows of that image's map. g₁ bounds ‖J_softmax(P_i)‖₂ (Theorem 4), so lowering it
 lowers the local Lipschitz bound of each head (Theorem 3).
 
@@ -17,16 +17,17 @@ window masks), CSwin and replaced attention kernels use the materialised maps.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
 from ..models import supports_query_key_capture
 from ..nn.row_statistics import top_probabilities_streamed
 from ..nn.softmax_bounds import g_k_of_top, top_probabilities
-from .base import ForwardStep, Stabilizer
+from .base import ForwardStep, Stabilizer, register_stabilizer
 
 
+@register_stabilizer
 class JaSMin(Stabilizer):
     """``--stabilizer jasmin``.
 
@@ -41,6 +42,8 @@ class JaSMin(Stabilizer):
     """
 
     name = "jasmin"
+    summary = "λ·Σ_{layers,heads} R_rows log g₁(P_i) (k=0) or log(g₁/(g_k+ε)) (k>1) on the attention rows"
+    source = "Yudin et al. 2025"
 
     def __init__(self, lam: float = 1e-3, k: int = 0, reduction: Literal["max", "mean"] = "mean",
                  eps: float = 1e-6, row_statistics: Literal["auto", "streamed", "materialized"] = "auto") -> None:
@@ -116,7 +119,7 @@ class JaSMin(Stabilizer):
             total = total + reduced.sum(-1).mean()
         return total
 
-    def loss(self, step: ForwardStep) -> Optional[torch.Tensor]:
+    def loss(self, step: ForwardStep) -> torch.Tensor | None:
         if self.lam == 0:
             return None
         if self.streamed:

@@ -1,4 +1,4 @@
-"""LipsFormer components (Qi et al. 2023; METHODS.md §1), each switchable for the ablations:
+"""LipsFormer components (Qi et al. 2023; docs/methods.md#lipsformer), each switchable for the ablations:
 
 * ``center_norm``: CenterNorm in place of every LayerNorm (Lipschitz D/(D−1)·max|γ|);
 * ``attention="cosine"``: scaled cosine similarity attention (ε > 0, τ, ν, V normalised,
@@ -16,20 +16,17 @@ branch (CMT-style) is not added. Warmup on/off is the training module's ``warmup
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
-from timm.layers import Attention as TimmAttention
 from timm.layers import DropPath
-from timm.models.swin_transformer import WindowAttention
 from torch import nn
 
-from ..models import attention_sites, norm_sites, residual_sites
-from ..models.cswin import CrossShapedAttention
+from ..models import attention_sites, norm_sites, replace_attention_kernel, residual_sites
 from ..nn.center_norm import CenterNorm
-from ..nn.cosine_attention import KernelAttention, KernelWindowAttention, ScaledCosineKernel
+from ..nn.cosine_attention import ScaledCosineKernel
 from ..nn.spectral import spectral_init_
-from .base import Stabilizer
+from .base import Stabilizer, register_stabilizer
 
 
 class ResidualScale(nn.Module):
@@ -43,34 +40,19 @@ class ResidualScale(nn.Module):
         return self.alpha * x
 
 
-def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
-
-
-def replace_attention_kernel(backbone: nn.Module, name: str, module: nn.Module, kernel: nn.Module) -> None:
-    """Make attention module ``name`` compute its heads with ``kernel`` (ViT, Swin or CSwin)."""
-    if isinstance(module, CrossShapedAttention):
-        module.kernel = kernel
-    elif isinstance(module, WindowAttention):
-        replace_submodule(backbone, name, KernelWindowAttention(module, kernel))
-    elif isinstance(module, TimmAttention):
-        replace_submodule(backbone, name, KernelAttention(module, kernel))
-    else:
-        raise ValueError(f"no replacement attention kernel for {type(module).__name__} "
-                         f"(supported: timm Attention, timm WindowAttention, CrossShapedAttention)")
-
-
+@register_stabilizer
 class LipsFormer(Stabilizer):
     """``--stabilizer lipsformer``; every component can be switched on or off on its own."""
 
     name = "lipsformer"
+    summary = "CenterNorm, scaled cosine attention, weighted residual, spectral init, DropPath — each switchable"
+    source = "Qi et al. 2023"
     prepare_order = 0
 
     def __init__(self, center_norm: bool = True, attention: Literal["cosine", "dot"] = "cosine",
                  tau: float = 10.0, nu: float = 1.0, eps: float = 1e-6, learn_scales: bool = True,
                  normalize_v: bool = True, head_scale: bool = True, weighted_residual: bool = True,
-                 alpha: Optional[float] = None, spectral_init: bool = True, conv_operator_norm: bool = False,
+                 alpha: float | None = None, spectral_init: bool = True, conv_operator_norm: bool = False,
                  drop_path: float = 0.0) -> None:
         if attention not in ("cosine", "dot"):
             raise ValueError(f"lipsformer: attention must be 'cosine' or 'dot', got {attention!r}")
@@ -106,7 +88,7 @@ class LipsFormer(Stabilizer):
         if self.spectral_init:
             spectral_init_(backbone, self._conv_input_shapes(network) if self.conv_operator_norm else None)
 
-    def lipschitz_bound(self, network: nn.Module) -> Optional[float]:
+    def lipschitz_bound(self, network: nn.Module) -> float | None:
         """Certified bound by composition (ViT with every component on; see stability.lipschitz.certified)."""
         from ..lipschitz.certified import certified_bound
 

@@ -1,5 +1,5 @@
 """Muon-constrained weights (Newhouse et al. 2025, "Training Transformers with Enforced
-Lipschitz Constants"; METHODS.md §4).
+Lipschitz Constants"; docs/methods.md#muon-and-weight-constraints).
 
 Optimizer: ``torch.optim.Muon`` for the hidden matrices (every Linear weight of the backbone
 except the classifier head), its learning rate scaled by sqrt(fan_out/fan_in)
@@ -21,29 +21,27 @@ for N blocks, attention (1/3)·W_O·softmax(s·QKᵀ/d)·V, and GELU/1.1289. Dro
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import nn
 
-from ..models import attention_sites, norm_sites, residual_sites
+from ..models import linear_layers, norm_sites, replace_activations, replace_attention_kernels, use_convex_residuals
 from ..nn import constraints
+from ..nn.lipschitz_blocks import LipschitzDotKernel, ScaledGELU
 from ..nn.spectral import grouped_by_shape, rms_scale, spectral_norms
-from ..nn.cosine_attention import LipschitzDotKernel
-from ..nn.lipschitz_blocks import ConvexResidualBlock, ScaledGELU
 from ..optim_combined import CombinedOptimizer
-from .base import Stabilizer
-from .lipsformer import replace_attention_kernel, replace_submodule
+from .base import Stabilizer, register_stabilizer
 
 CONSTRAINTS = ("none", "normalise", "hammer", "hard_cap", "soft_cap")
 
 
 def hidden_matrices(network: nn.Module) -> list[nn.Parameter]:
-    """Weights of every Linear except the classifier head (names containing 'head')."""
-    return [m.weight for name, m in network.named_modules()
-            if isinstance(m, nn.Linear) and "head" not in name.split(".")]
+    """Weights of every Linear except the classifier head."""
+    return [linear.weight for linear in linear_layers(network, "hidden")]
 
 
+@register_stabilizer
 class MuonConstrained(Stabilizer):
     """``--stabilizer muon``.
 
@@ -59,6 +57,9 @@ class MuonConstrained(Stabilizer):
     """
 
     name = "muon"
+    summary = ("torch.optim.Muon + AdamW, weight decay and a spectral constraint after each step; optional "
+               "Lipschitz-transformer architecture")
+    source = "Newhouse et al. 2025"
     prepare_order = 0
 
     def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
@@ -74,7 +75,8 @@ class MuonConstrained(Stabilizer):
             raise ValueError(f"muon: need sigma_max > 0, lr > 0, weight_decay >= 0; got {sigma_max}, {lr}, "
                              f"{weight_decay}")
         self.lr, self.momentum, self.nesterov, self.ns_steps = lr, momentum, nesterov, ns_steps
-        self.weight_decay, self.constraint, self.sigma_max, self.optimizer = weight_decay, constraint, sigma_max, optimizer
+        self.weight_decay, self.constraint, self.sigma_max = weight_decay, constraint, sigma_max
+        self.optimizer = optimizer
         self.lipschitz_transformer, self.attention_scale = lipschitz_transformer, attention_scale
         self._matrices: list[nn.Parameter] = []
         self._before: list[torch.Tensor] = []
@@ -93,18 +95,12 @@ class MuonConstrained(Stabilizer):
     def _lipschitz_architecture(self, backbone: nn.Module) -> None:
         for site in norm_sites(backbone):
             site.replace(nn.Identity())
-        for site in attention_sites(backbone):
-            replace_attention_kernel(backbone, site.name, site.module,
-                                     LipschitzDotKernel(site.head_dim, self.attention_scale))
-        for module in backbone.modules():
-            if isinstance(getattr(module, "act", None), nn.GELU):
-                module.act = ScaledGELU()
-        block_names = [site.name.rpartition(".")[0] for site in residual_sites(backbone)][::2]
-        for name in block_names:
-            replace_submodule(backbone, name, ConvexResidualBlock(backbone.get_submodule(name),
-                                                                  1.0 / (2 * len(block_names))))
+        replace_attention_kernels(backbone, lambda attn: LipschitzDotKernel(
+            attn.qkv.out_features // (3 * attn.num_heads), self.attention_scale))
+        replace_activations(backbone, nn.GELU, ScaledGELU)
+        use_convex_residuals(backbone)
 
-    def lipschitz_bound(self, network: nn.Module) -> Optional[float]:
+    def lipschitz_bound(self, network: nn.Module) -> float | None:
         """Certified bound on [0, 1]ⁿ for the Lipschitz-transformer ViT (stability.lipschitz.certified);
         None for other architectures (LayerNorm and dot-product attention have no global bound)."""
         from ..lipschitz.certified import certified_bound

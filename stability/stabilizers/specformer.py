@@ -1,5 +1,5 @@
 """Specformer: penalise the spectral norms of the query, key and value projections
-(Hu et al., ECCV 2024; METHODS.md §3).
+(Hu et al., ECCV 2024; docs/methods.md#specformer).
 
     L = Σ_blocks [λ_Q Σ_h σ₁(W_Q^h)² + λ_K Σ_h σ₁(W_K^h)² + λ_V Σ_h σ₁(W_V^h)²]
 
@@ -13,7 +13,7 @@ D/H input columns instead, as the reference code does. Both bound σ₁ of the w
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from torch import nn
 
 from ..models import attention_sites
 from ..nn.spectral import grouped_by_shape, power_iteration, sigma_from_vectors
-from .base import ForwardStep, Stabilizer
+from .base import ForwardStep, Stabilizer, register_stabilizer
 
 PARTS = ("q", "k", "v")
 
@@ -38,6 +38,7 @@ def head_blocks(qkv_weight: torch.Tensor, part: str, heads: int, blocks: str) ->
     return w.view(width, heads, d_in // heads).transpose(0, 1)  # (H, H·d, D/H)
 
 
+@register_stabilizer
 class Specformer(Stabilizer):
     """``--stabilizer specformer``.
 
@@ -48,6 +49,8 @@ class Specformer(Stabilizer):
     """
 
     name = "specformer"
+    summary = "λ_Q,K,V·Σ_heads σ₁(W^h)² by persistent power iteration"
+    source = "Hu et al. 2024"
 
     def __init__(self, lam_q: float = 1e-5, lam_k: float = 1e-5, lam_v: float = 1e-5,
                  blocks: Literal["rows", "columns"] = "rows", iterations: int = 1) -> None:
@@ -108,7 +111,7 @@ class Specformer(Stabilizer):
         sigmas = self.sigmas(network, update)
         return sum(lam * sum(s.pow(2).sum() for s in sigmas[part]) for part, lam in lams.items())
 
-    def loss(self, step: ForwardStep) -> Optional[torch.Tensor]:
+    def loss(self, step: ForwardStep) -> torch.Tensor | None:
         if not self._lams():
             return None
         return self.penalty(step.network)

@@ -24,9 +24,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm as torch_spectral_norm
 
-from ..models import attention_sites
+from ..models import linear_layers
 from ..nn.spectral import spectral_norms
-from .base import Stabilizer
+from .base import Stabilizer, register_stabilizer
 
 
 class _Scale(nn.Module):
@@ -38,18 +38,7 @@ class _Scale(nn.Module):
         return self.factor * weight
 
 
-def chosen_linears(network: nn.Module, layers: str) -> list[nn.Linear]:
-    """The Linear layers that ``layers`` (all / attention / mlp) selects."""
-    if layers == "all":
-        return [m for m in network.modules() if isinstance(m, nn.Linear)]
-    if layers == "attention":
-        return [lin for site in attention_sites(network) for lin in (site.qkv, site.proj)]
-    if layers == "mlp":
-        return [m for name, mod in network.named_modules() if name.endswith("mlp")
-                for m in mod.modules() if isinstance(m, nn.Linear)]
-    raise ValueError(f"spectral_norm: layers must be 'all', 'attention' or 'mlp', got {layers!r}")
-
-
+@register_stabilizer
 class SpectralNorm(Stabilizer):
     """``--stabilizer spectral_norm``.
 
@@ -60,6 +49,8 @@ class SpectralNorm(Stabilizer):
     """
 
     name = "spectral_norm"
+    summary = "σ₁ ≤ σ_max for chosen Linear weights (projection or parametrisation)"
+    source = "Miyato et al. 2018"
 
     def __init__(self, sigma_max: float = 1.0, mode: Literal["project", "parametrize"] = "project",
                  layers: Literal["all", "attention", "mlp"] = "all") -> None:
@@ -67,11 +58,12 @@ class SpectralNorm(Stabilizer):
             raise ValueError(f"spectral_norm: sigma_max must be > 0, got {sigma_max}")
         if mode not in ("project", "parametrize"):
             raise ValueError(f"spectral_norm: mode must be 'project' or 'parametrize', got {mode!r}")
-        chosen_linears(nn.Module(), layers)  # validates the name
+        if layers not in ("all", "attention", "mlp"):
+            raise ValueError(f"spectral_norm: layers must be 'all', 'attention' or 'mlp', got {layers!r}")
         self.sigma_max, self.mode, self.layers = sigma_max, mode, layers
 
     def prepare(self, network: nn.Module) -> None:
-        linears = chosen_linears(network, self.layers)
+        linears = linear_layers(network, self.layers)
         if not linears:
             raise ValueError(f"spectral_norm: no Linear layers selected by layers={self.layers!r}")
         if self.mode == "parametrize":
@@ -86,7 +78,7 @@ class SpectralNorm(Stabilizer):
     def after_optimizer_step(self, network: nn.Module) -> None:
         if self.mode != "project":
             return
-        weights = [linear.weight for linear in chosen_linears(network, self.layers)]
+        weights = [linear.weight for linear in linear_layers(network, self.layers)]
         if not weights:
             return
         factors = (self.sigma_max / spectral_norms(weights)).clamp_max(1.0)  # exact σ₁, batched per shape
