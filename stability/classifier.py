@@ -1,32 +1,21 @@
-"""The LightningModule: a backbone, its stabilizers, the training step and nothing else."""
+"""The LightningModule: a backbone, its stabilizers, the steps and the optimizer, nothing else
+(logging layouts and HParams: :class:`~stability.callbacks.TensorBoardLayout`)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from . import tags
 from .models import Network, build_backbone, capture_attention, capture_queries_keys
 from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
 from .stabilizers import ForwardStep, build_stabilizers, stabilizer_names
-
-
-# TensorBoard "Custom Scalars" tab: the comparisons a researcher looks at, grouped.
-CUSTOM_SCALARS = {
-    "accuracy": {"clean and robust": ["Multiline", [r"val/acc", r"robust/.*"]],
-                 "train": ["Multiline", [r"train/acc"]]},
-    "lipschitz": {"local estimate": ["Multiline", [r"lipschitz/local_.*"]],
-                  "bounds": ["Multiline", [r"lipschitz/lower_bound_max", r"lipschitz/certified_log10"]]},
-    "stability": {"loss terms": ["Multiline", [r"train/loss_step", r"loss/.*_step"]],
-                  "gradient norms": ["Multiline", [r"stability/grad_norm.*"]],
-                  "max |activation|": ["Multiline", [r"stability/act_max/.*"]],
-                  "spikes": ["Multiline", [r"stability/loss_spikes", r"stability/diverged_at_step"]]},
-}
 
 
 class ImageClassifier(L.LightningModule):
@@ -51,9 +40,9 @@ class ImageClassifier(L.LightningModule):
         self,
         backbone: str = "vit",
         size: str = "micro",
-        backbone_options: Optional[dict[str, Any]] = None,
+        backbone_options: dict[str, Any] | None = None,
         stabilizer: str | list[str] = "none",
-        stabilizer_options: Optional[dict[str, dict[str, Any]]] = None,
+        stabilizer_options: dict[str, dict[str, Any]] | None = None,
         num_classes: int = 10,
         in_chans: int = 1,
         image_size: int = 8,
@@ -83,7 +72,7 @@ class ImageClassifier(L.LightningModule):
         self.network = Network(net, mean, std, image_size)
         for stab in sorted(self.stabilizers, key=lambda s: s.prepare_order):
             stab.prepare(self.network)
-        self._stabilizers_device: Optional[torch.device] = None
+        self._stabilizers_device: torch.device | None = None
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -124,20 +113,20 @@ class ImageClassifier(L.LightningModule):
         task = terms["task"]
         total = sum(terms.values())
         for name, term in terms.items():
-            self.log(f"loss/{name}", term, on_step=True, on_epoch=True)
+            self.log(tags.loss(name), term, on_step=True, on_epoch=True)
         labels = targets.argmax(dim=-1) if targets.ndim == 2 else targets
         self.train_acc(logits.detach(), labels)
-        self.log("train/loss", total, on_step=True, on_epoch=True, prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
+        self.log(tags.TRAIN_LOSS, total, on_step=True, on_epoch=True, prog_bar=True)
+        self.log(tags.TRAIN_ACC, self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        self.log(tags.TRAIN_LR, self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         return {"loss": total, "task_loss": task.detach()}
 
     def _evaluate(self, batch, stage: str, metric: MulticlassAccuracy) -> None:
         images, labels = batch
         logits = self.network(images)
-        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), prog_bar=True)
+        self.log(tags.stage_metric(stage, "loss"), F.cross_entropy(logits, labels), prog_bar=True)
         metric(logits, labels)
-        self.log(f"{stage}/acc", metric, prog_bar=True)
+        self.log(tags.stage_metric(stage, "acc"), metric, prog_bar=True)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_acc)
@@ -149,12 +138,6 @@ class ImageClassifier(L.LightningModule):
         """Class probabilities (B, num_classes) of the images of a batch."""
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.network(images).softmax(dim=-1)
-
-    def on_validation_epoch_end(self) -> None:
-        if not self.trainer.sanity_checking:
-            metrics = self.trainer.callback_metrics
-            self.log("hp/val_acc", metrics["val/acc"])
-            self.log("hp/val_loss", metrics["val/loss"])
 
     # --------------------------------------------------------- optimization
     def build_optimizer(self) -> torch.optim.Optimizer:
@@ -189,24 +172,3 @@ class ImageClassifier(L.LightningModule):
         """The stabilizers' projections after a step (constraints, spectral caps)."""
         for stab in self.stabilizers:
             stab.after_optimizer_step(self.network)
-
-    # -------------------------------------------------------------- logging
-    def on_fit_start(self) -> None:
-        """Write the hyperparameters to TensorBoard's HParams tab, tied to the final hp/ metrics."""
-        for logger in self.loggers:
-            if isinstance(logger, L.pytorch.loggers.TensorBoardLogger):
-                logger.log_hyperparams(self.hparams_for_logging(), {"hp/val_acc": 0.0, "hp/val_loss": 0.0,
-                                                                     "hp/diverged_at_step": -1})
-                logger.experiment.add_custom_scalars(CUSTOM_SCALARS)
-
-    def hparams_for_logging(self) -> dict[str, Any]:
-        """Flat hyperparameters: the module's, the selected stabilizers' options, the data's."""
-        params = {k: v for k, v in self.hparams.items() if k not in ("stabilizer", "stabilizer_options")}
-        params["stabilizer"] = "+".join(self.stabilizer_names)
-        for stab in self.stabilizers:
-            params.update({f"{stab.name}.{k}": v for k, v in stab.hparams().items()})
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is not None:
-            params.update({f"data.{k}": v for k, v in datamodule.hparams.items()})
-            params["data"] = datamodule.name
-        return params

@@ -16,7 +16,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import yaml
 from jsonargparse import Namespace
@@ -24,13 +24,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from .callbacks import LipschitzMonitor, RobustnessMonitor, TrainingStability
+from . import exit_codes
+from .callbacks import (
+    DivergenceMonitor,
+    EpochTimer,
+    LipschitzMonitor,
+    RobustnessMonitor,
+    TensorBoardLayout,
+    TrainingStability,
+)
 from .classifier import ImageClassifier
 from .data import ImageDataModule
 from .stabilizers import REGISTRY, stabilizer_names
 
 DEFAULT_DATA = "stability.data.Digits"
-DIVERGED_EXIT_CODE = 3  # a sweep reads this: the run finished cleanly but diverged
 LINKED_FROM_DATA = ("num_classes", "in_chans", "image_size", "mean", "std")
 TRAINER_DEFAULTS = {"max_epochs": 30, "log_every_n_steps": 10}
 
@@ -49,7 +56,7 @@ def _defaults(cls: type) -> dict[str, Any]:
     return {k: p.default for k, p in _parameters(cls).items() if p.default is not inspect.Parameter.empty}
 
 
-def selected_options(names: Union[str, list[str]], *groups: Namespace) -> dict[str, dict[str, Any]]:
+def selected_options(names: str | list[str], *groups: Namespace) -> dict[str, dict[str, Any]]:
     """Options of the selected stabilizers, from their groups; a changed option of an
     unselected stabilizer is an error (it would otherwise be silently ignored)."""
     selected = stabilizer_names(names)
@@ -83,11 +90,12 @@ def checkpoint_defaults(ckpt_path: str) -> dict[str, Any]:
     data = dict(ckpt.get("datamodule_hyper_parameters", {}))
     if "_class_path" in data:
         class_path = data.pop("_class_path")
-        defaults["data"] = {"class_path": class_path, "init_args": {k: v for k, v in data.items() if not k.startswith("_")}}
+        init_args = {k: v for k, v in data.items() if not k.startswith("_")}
+        defaults["data"] = {"class_path": class_path, "init_args": init_args}
     return defaults
 
 
-def requested_data_class(argv: list[str]) -> Optional[str]:
+def requested_data_class(argv: list[str]) -> str | None:
     """The data class named by ``--data X`` or by ``data: class_path`` in a ``--config`` file (last wins)."""
     found = None
     for i, arg in enumerate(argv):
@@ -109,13 +117,13 @@ def requested_data_class(argv: list[str]) -> Optional[str]:
 
 
 class StabilityCLI(LightningCLI):
-    def __init__(self, args: Optional[list[str]] = None, run: bool = True, **kwargs: Any) -> None:
+    def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
         super().__init__(
             ImageClassifier,
             ImageDataModule,
             subclass_mode_data=True,
             seed_everything_default=0,
-            trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [ModelCheckpoint(save_last=True)]},
+            trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [ModelCheckpoint(save_last=True), TensorBoardLayout()]},
             auto_configure_optimizers=False,  # the module builds its optimizer (stabilizers may supply one)
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"default_env": False},
@@ -127,13 +135,13 @@ class StabilityCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--runs_dir", type=str, default="runs",
                             help="root of the run directories <runs_dir>/<data>/<backbone>/<stabilizers>/version_N")
-        parser.add_argument("--run_dir", type=Optional[str], default=None,
+        parser.add_argument("--run_dir", type=str | None, default=None,
                             help="write this run exactly here (events, config.yaml, checkpoints/) instead of "
                                  "<runs_dir>/.../version_N; sweeps use it")
         parser.add_argument("--test_after_fit", type=bool, default=False,
                             help="after fit, run the test set with the test-time measurements on the final "
                                  "weights (skipped for a diverged run)")
-        parser.add_argument("--stabilizer", type=Union[str, list[str]], default="none",
+        parser.add_argument("--stabilizer", type=str | list[str], default="none",
                             help=f"stabilizer name(s), comma-separated or a list; valid: {sorted(REGISTRY)}")
         groups = _option_groups()
         for name, cls in groups.items():
@@ -144,7 +152,9 @@ class StabilityCLI(LightningCLI):
             as_list = list if key in ("mean", "std") else None  # plain YAML lists in hparams, not tuples
             parser.link_arguments(f"data.{key}", f"model.{key}", compute_fn=as_list, apply_on="instantiate")
         parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})
+        parser.add_lightning_class_args(DivergenceMonitor, "divergence")
         parser.add_lightning_class_args(TrainingStability, "stability")
+        parser.add_lightning_class_args(EpochTimer, "timing")
         parser.add_lightning_class_args(LipschitzMonitor, "lipschitz")
         parser.add_lightning_class_args(RobustnessMonitor, "robustness")
 
@@ -192,13 +202,18 @@ class StabilityCLI(LightningCLI):
         """``--test_after_fit``: test the final weights in the same run (same events file)."""
         if not self.config.fit.get("test_after_fit"):
             return
-        monitor = next((c for c in self.trainer.callbacks if isinstance(c, TrainingStability)), None)
-        if monitor is not None and monitor.diverged:
+        if diverged(self.trainer) is not None:
             return
         self.trainer.test(self.model, datamodule=self.datamodule)
 
 
-def main(args: Optional[list[str]] = None) -> None:
+def diverged(trainer):
+    """The divergence detector of a run that diverged, else None."""
+    monitor = next((c for c in trainer.callbacks if isinstance(c, DivergenceMonitor)), None)
+    return monitor.detector if monitor is not None and monitor.diverged else None
+
+
+def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in ("sweep", "report"):  # our own subcommands, beside Lightning's
         import importlib
@@ -210,13 +225,12 @@ def main(args: Optional[list[str]] = None) -> None:
         if os.environ.get("STABILITY_TRACEBACK"):
             raise
         print(f"stability: error: {err}\n(set STABILITY_TRACEBACK=1 to see where it was raised)", file=sys.stderr)
-        raise SystemExit(2) from None
-    monitor = next((c for c in cli.trainer.callbacks if isinstance(c, TrainingStability)), None)
-    if monitor is not None and monitor.diverged:
-        detector = monitor.detector
+        raise SystemExit(exit_codes.BAD_INPUT) from None
+    detector = diverged(cli.trainer)
+    if detector is not None:
         print(f"stability: run diverged at step {detector.diverged_at_step}: {detector.reason}; "
               f"logs and checkpoints so far are kept in {cli.trainer.log_dir}", file=sys.stderr)
-        raise SystemExit(DIVERGED_EXIT_CODE)
+        raise SystemExit(exit_codes.DIVERGED)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from stability.callbacks import DivergenceDetector, LipschitzMonitor, RobustnessMonitor, TrainingStability
-from stability.cli import DIVERGED_EXIT_CODE, main
+from stability import exit_codes
+from stability.callbacks import DivergenceDetector, DivergenceMonitor, LipschitzMonitor, RobustnessMonitor
+from stability.cli import main
 from stability.stabilizers import REGISTRY, Stabilizer
-from test_cli import QUICK, SMALL_VIT, scalars
 
 
 def test_detector_counts_spikes_and_flags_divergence():
@@ -38,22 +38,23 @@ class NaNAt(Stabilizer):
         return torch.tensor(math.nan) if step.global_step >= self.step else None
 
 
-def test_a_diverged_run_stops_cleanly_keeps_its_files_and_exits_with_its_status(monkeypatch, tmp_path, capsys):
+def test_a_diverged_run_stops_cleanly_keeps_its_files_and_exits_with_its_status(monkeypatch, tmp_path, capsys,
+                                                                                 scalars, tiny_vit_args):
     monkeypatch.setitem(REGISTRY, "nan_at", NaNAt)
     os.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *QUICK, *SMALL_VIT, "--stabilizer", "nan_at", "--nan_at.step", "6", "--trainer.max_epochs", "3",
+        main(["fit", *tiny_vit_args, "--stabilizer", "nan_at", "--nan_at.step", "6", "--trainer.max_epochs", "3",
               "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"])
-    assert exit_info.value.code == DIVERGED_EXIT_CODE
+    assert exit_info.value.code == exit_codes.DIVERGED
     assert "diverged at step 6: non-finite loss" in capsys.readouterr().err
     run = tmp_path / "runs" / "digits" / "vit" / "nan_at" / "version_0"
     assert json.loads((run / "diverged.json").read_text()) == {"diverged_at_step": 6, "reason": "non-finite loss (nan)"}
     assert scalars(run, "hp/diverged_at_step")[-1] == 6 and (run / "config.yaml").is_file()
 
 
-def test_monitors_log_during_fit(tmp_path):
+def test_monitors_log_during_fit(tmp_path, scalars, tiny_vit_args):
     os.chdir(tmp_path)
-    main(["fit", *QUICK, *SMALL_VIT, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4",
+    main(["fit", *tiny_vit_args, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4",
           "--lipschitz.num_points", "8", "--lipschitz.exclude_patch_embed", "true", "--robustness.every_n_epochs", "2",
           "--robustness.num_points", "16", "--robustness.pgd_steps", "2", "--stability.log_every_n_steps", "1",
           "--trainer.log_every_n_steps", "1"])
@@ -73,36 +74,36 @@ def test_monitor_options_are_checked():
     with pytest.raises(ValueError, match="every_n_epochs >= 0"):
         LipschitzMonitor(every_n_epochs=-1)
     with pytest.raises(ValueError, match="spike_factor < divergence_factor"):
-        TrainingStability(spike_factor=5, divergence_factor=2)
+        DivergenceMonitor(spike_factor=5, divergence_factor=2)
 
 
-def test_measuring_does_not_change_the_run_it_measures(tmp_path):
+def test_measuring_does_not_change_the_run_it_measures(tmp_path, scalars, tiny_vit_args):
     os.chdir(tmp_path)
     losses = []
     for runs_dir, every in (("on", "1"), ("off", "0")):
-        main(["fit", *QUICK, *SMALL_VIT, "--runs_dir", runs_dir, "--trainer.max_epochs", "3",
+        main(["fit", *tiny_vit_args, "--runs_dir", runs_dir, "--trainer.max_epochs", "3",
               "--trainer.limit_train_batches", "4", "--lipschitz.every_n_epochs", every, "--lipschitz.num_points", "8",
               "--robustness.every_n_epochs", every, "--robustness.num_points", "8", "--robustness.pgd_steps", "2"])
         losses.append(scalars(tmp_path / runs_dir / "digits" / "vit" / "none" / "version_0", "val/loss"))
     assert losses[0] == losses[1]
 
 
-def test_a_regulariser_that_makes_the_total_loss_negative_is_not_divergence(tmp_path):
+def test_a_regulariser_that_makes_the_total_loss_negative_is_not_divergence(tmp_path, scalars, tiny_vit_args):
     os.chdir(tmp_path)  # λ·Σ log g1 < 0: the total is negative from the first step
-    main(["fit", *QUICK, *SMALL_VIT, "--stabilizer", "jasmin", "--jasmin.lam", "1.0", "--jasmin.k", "0",
+    main(["fit", *tiny_vit_args, "--stabilizer", "jasmin", "--jasmin.lam", "1.0", "--jasmin.k", "0",
           "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "12", "--lipschitz.every_n_epochs", "0",
           "--robustness.every_n_epochs", "0"])
     run = tmp_path / "runs" / "digits" / "vit" / "jasmin" / "version_0"
     assert scalars(run, "train/loss_epoch")[0] < 0 and not (run / "diverged.json").exists()
 
 
-def test_monitors_skip_a_model_whose_weights_are_no_longer_finite(tmp_path):
+def test_monitors_skip_a_model_whose_weights_are_no_longer_finite(tmp_path, tiny_vit_args):
     """A run that diverges mid-epoch still validates at the epoch's end: the monitors must not crash
     on its NaN weights (an SVD of them raises), so the run ends as 'diverged', not as an error."""
     os.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *QUICK, *SMALL_VIT, "--model.optimizer", "sgd", "--model.lr", "1e5", "--trainer.max_epochs", "2",
+        main(["fit", *tiny_vit_args, "--model.optimizer", "sgd", "--model.lr", "1e5", "--trainer.max_epochs", "2",
               "--lipschitz.num_points", "8", "--robustness.every_n_epochs", "1", "--robustness.num_points", "8"])
-    assert exit_info.value.code == DIVERGED_EXIT_CODE
+    assert exit_info.value.code == exit_codes.DIVERGED
     run = tmp_path / "runs" / "digits" / "vit" / "none" / "version_0"
     assert (run / "diverged.json").is_file()

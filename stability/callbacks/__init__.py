@@ -1,6 +1,10 @@
-"""Thin Lightning callbacks around stability.lipschitz, stability.robustness and the stability signals."""
+"""Thin Lightning callbacks around stability.lipschitz, stability.robustness and the training signals."""
+from .divergence import DivergenceDetector, DivergenceMonitor
 from .lipschitz_monitor import LipschitzMonitor
 from .robustness_monitor import RobustnessMonitor
-from .training_stability import DivergenceDetector, TrainingStability
+from .tensorboard_layout import TensorBoardLayout
+from .timing import EpochTimer
+from .training_stability import TrainingStability
 
-__all__ = ["DivergenceDetector", "LipschitzMonitor", "RobustnessMonitor", "TrainingStability"]
+__all__ = ["DivergenceDetector", "DivergenceMonitor", "EpochTimer", "LipschitzMonitor", "RobustnessMonitor",
+           "TensorBoardLayout", "TrainingStability"]

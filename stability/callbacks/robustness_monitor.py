@@ -3,7 +3,7 @@
 with FGSM / PGD / AutoAttack (torchattacks) at a list of budgets."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import lightning as L
 

@@ -1,0 +1,98 @@
+"""Divergence detection: a non-finite loss, or a task loss above ``divergence_factor`` × its
+running value, stops the run cleanly and records where and why (a result, not a crash); losses
+above ``spike_factor`` × the running value are counted as spikes."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+
+from .. import tags
+
+
+@dataclass
+class DivergenceDetector:
+    """Running loss (exponential average with ``beta``), spike count, divergence verdict.
+
+    The reference is max(running loss, ``min_reference``), so that a loss near zero late in
+    training does not turn ordinary noise into "spikes". A loss above ``spike_factor`` ×
+    reference counts as a spike; a non-finite loss or one above ``divergence_factor`` ×
+    reference is divergence. The first ``warmup_steps`` losses only feed the running value."""
+
+    spike_factor: float = 3.0
+    divergence_factor: float = 100.0
+    beta: float = 0.9
+    warmup_steps: int = 5
+    min_reference: float = 0.1
+    running: float | None = None
+    steps: int = 0
+    spikes: int = 0
+    diverged_at_step: int | None = None
+    reason: str = ""
+    history: list = field(default_factory=list, repr=False)
+
+    def update(self, loss: float, step: int) -> bool:
+        """Feed one loss; True when the run has diverged."""
+        self.steps += 1
+        if not math.isfinite(loss):
+            self.diverged_at_step, self.reason = step, f"non-finite loss ({loss})"
+            return True
+        if self.running is not None and self.steps > self.warmup_steps:
+            reference = max(self.running, self.min_reference)
+            if loss > self.divergence_factor * reference:
+                self.diverged_at_step = step
+                self.reason = f"loss {loss:.4g} > {self.divergence_factor:g} × running loss {reference:.4g}"
+                return True
+            if loss > self.spike_factor * reference:
+                self.spikes += 1
+        self.running = loss if self.running is None else self.beta * self.running + (1 - self.beta) * loss
+        return False
+
+
+class DivergenceMonitor(L.Callback):
+    """Watches the training objective every step; stops a diverged run and writes ``diverged.json``
+    and ``hp/diverged_at_step`` into its run directory.
+
+    The ratio test watches the task loss the module reports (``task_loss`` in the step output: the
+    objective actually optimised, which a stabilizer may have replaced, before additive
+    regularisers, which can make the total negative); a non-finite total is divergence all the same.
+
+    Args:
+        spike_factor, divergence_factor: see :class:`DivergenceDetector`.
+    """
+
+    def __init__(self, spike_factor: float = 3.0, divergence_factor: float = 100.0) -> None:
+        if spike_factor <= 1 or divergence_factor <= spike_factor:
+            raise ValueError(f"need 1 < spike_factor < divergence_factor; got {spike_factor}, {divergence_factor}")
+        self.detector = DivergenceDetector(spike_factor, divergence_factor)
+        self._step = 0
+
+    @property
+    def diverged(self) -> bool:
+        return self.detector.diverged_at_step is not None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step = trainer.global_step  # the step this batch's loss belongs to
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not isinstance(outputs, dict) or outputs.get("loss") is None:
+            return
+        total = float(outputs["loss"])
+        loss = total if not math.isfinite(total) else float(outputs.get("task_loss", total))
+        if self.detector.update(loss, self._step):
+            trainer.should_stop = True
+            self._record_divergence(trainer)
+        pl_module.log(tags.LOSS_SPIKES, float(self.detector.spikes), on_step=True, on_epoch=False)
+
+    def _record_divergence(self, trainer) -> None:
+        step, reason = self.detector.diverged_at_step, self.detector.reason
+        for logger in trainer.loggers:
+            logger.log_metrics({tags.DIVERGED_AT_STEP: step, tags.HP_DIVERGED_AT_STEP: step}, step=step)
+            logger.save()
+        if trainer.log_dir and trainer.is_global_zero:
+            Path(trainer.log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(trainer.log_dir) / "diverged.json").write_text(
+                json.dumps({"diverged_at_step": step, "reason": reason}) + "\n")

@@ -1,0 +1,4 @@
+"""Exit statuses of ``stability fit`` that other commands read (``stability sweep``)."""
+
+BAD_INPUT = 2  # a clear one-line error about the command line or config
+DIVERGED = 3  # the run ended cleanly but diverged: a result, recorded as such, not retried

@@ -1,0 +1,62 @@
+"""TensorBoard tag names: the one place the module, the callbacks and ``stability report`` take
+them from.
+
+Scalars logged with ``on_step`` / ``on_epoch`` get Lightning's ``_step`` / ``_epoch`` suffixes
+(:func:`per_step`, :func:`per_epoch`). Measurement groups are prefixed ``test_`` at test time
+(:func:`group`), so fit-time and test-time values sit side by side in TensorBoard.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+Stage = Literal["fit", "test"]
+
+TRAIN_LOSS = "train/loss"
+TRAIN_ACC = "train/acc"
+TRAIN_LR = "train/lr"
+TIME_TRAIN_EPOCH = "time/train_epoch_s"   # seconds of the training steps of an epoch (opt-in timing)
+
+HP_VAL_ACC = "hp/val_acc"
+HP_VAL_LOSS = "hp/val_loss"
+HP_DIVERGED_AT_STEP = "hp/diverged_at_step"
+DIVERGED_AT_STEP = "stability/diverged_at_step"
+LOSS_SPIKES = "stability/loss_spikes"
+GRAD_NORM = "stability/grad_norm"
+ACT_MAX = "stability/act_max"
+
+LIPSCHITZ = "lipschitz"
+ROBUST = "robust"
+CERTIFIED = "certified"
+ATTENTION = "attention"
+WEIGHTS = "weights"
+
+
+def stage_metric(stage: str, metric: str) -> str:
+    """``val/acc``, ``test/loss``, …"""
+    return f"{stage}/{metric}"
+
+
+def loss(term: str) -> str:
+    """``loss/task`` or ``loss/<stabilizer>``: each term of the training objective."""
+    return f"loss/{term}"
+
+
+TASK_LOSS = loss("task")
+
+
+def per_step(tag: str) -> str:
+    return f"{tag}_step"
+
+
+def per_epoch(tag: str) -> str:
+    return f"{tag}_epoch"
+
+
+def group(name: str, stage: Stage = "fit") -> str:
+    """A measurement group's prefix: ``lipschitz`` during fit, ``test_lipschitz`` at test."""
+    return f"test_{name}" if stage == "test" else name
+
+
+def measurement(name: str, stat: str, stage: Stage = "fit") -> str:
+    """e.g. ``measurement(LIPSCHITZ, "local_mean", "test")`` → ``test_lipschitz/local_mean``."""
+    return f"{group(name, stage)}/{stat}"
