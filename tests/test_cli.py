@@ -8,20 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from stability.cli import main
-from stability.stabilizers import REGISTRY
-from test_stabilizers import Recorder
-
-QUICK = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-SMALL_VIT = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]
-
-
-def scalars(run_dir: Path, tag: str) -> list[float]:
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    return [event.value for event in events.Scalars(tag)]
 
 
 def console_script() -> list[str]:
@@ -29,8 +17,8 @@ def console_script() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "stability"]
 
 
-def test_fit_through_the_console_script_learns_and_logs_to_tensorboard(tmp_path):
-    cmd = console_script() + ["fit", *QUICK, "--trainer.max_epochs", "4", "--data.batch_size", "16",
+def test_fit_through_the_console_script_learns_and_logs_to_tensorboard(tmp_path, scalars, quick_args):
+    cmd = console_script() + ["fit", *quick_args, "--trainer.max_epochs", "4", "--data.batch_size", "16",
                               "--model.scheduler", "constant", "--model.lr", "3e-3"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -44,7 +32,8 @@ def test_fit_through_the_console_script_learns_and_logs_to_tensorboard(tmp_path)
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["stabilizer"] == "none" and saved["data"]["class_path"] == "stability.data.Digits"
 
-    test = subprocess.run(console_script() + ["test", *QUICK, "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+    checkpoint = str(run / "checkpoints" / "last.ckpt")
+    test = subprocess.run(console_script() + ["test", *quick_args, "--ckpt_path", checkpoint,
                                               "--robustness.test_attacks", "[fgsm]", "--robustness.num_points", "32"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert test.returncode == 0, test.stderr[-3000:]
@@ -93,11 +82,11 @@ def test_unknown_stabilizer_lists_the_valid_names(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--stabilizer", "jasmine"])
     assert exit_info.value.code == 2
-    assert "unknown stabilizer 'jasmine'; valid names: ['jasmin', 'lipsformer', 'muon', 'none', 'specformer'" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "unknown stabilizer 'jasmine'; valid names: ['jasmin', 'lipsformer', 'muon', 'none', 'specformer'" in error
 
 
-def test_stabilizer_options_live_in_their_own_group_and_never_carry_over(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(REGISTRY, "recorder", Recorder)
+def test_stabilizer_options_live_in_their_own_group_and_never_carry_over(recorder, tmp_path, capsys):
     printed = print_config(capsys, "--stabilizer", "recorder", "--recorder.weight", "0.5")
     assert printed["stabilizer"] == "recorder" and printed["recorder"] == {"weight": 0.5, "bound": 3.0}
     # a config that set recorder's option, then a sweep switching to another stabilizer: refused, not carried
@@ -109,10 +98,9 @@ def test_stabilizer_options_live_in_their_own_group_and_never_carry_over(monkeyp
     assert "set for stabilizer 'recorder', which is not selected" in capsys.readouterr().err
 
 
-def test_stabilizer_options_reach_the_model_and_the_checkpoint(monkeypatch, tmp_path):
-    monkeypatch.setitem(REGISTRY, "recorder", Recorder)
+def test_stabilizer_options_reach_the_model_and_the_checkpoint(recorder, tmp_path, scalars, tiny_vit_args):
     os.chdir(tmp_path)
-    main(["fit", *QUICK, *SMALL_VIT, "--stabilizer", "recorder", "--recorder.weight", "0.25",
+    main(["fit", *tiny_vit_args, "--stabilizer", "recorder", "--recorder.weight", "0.25",
           "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"])
     run = tmp_path / "runs" / "digits" / "vit" / "recorder" / "version_0"
     assert scalars(run, "loss/recorder_epoch")
@@ -122,12 +110,12 @@ def test_stabilizer_options_reach_the_model_and_the_checkpoint(monkeypatch, tmp_
     assert saved["stabilizer"] == ["recorder"] and saved["stabilizer_options"]["recorder"]["weight"] == 0.25
 
 
-def test_same_seed_same_numbers(tmp_path):
+def test_same_seed_same_numbers(tmp_path, scalars, tiny_vit_args):
     os.chdir(tmp_path)
     losses = []
     for runs_dir in ("a", "a", "b"):
         seed = "3" if runs_dir == "a" else "4"
-        main(["fit", *QUICK, *SMALL_VIT, "--runs_dir", runs_dir, "--seed_everything", seed,
+        main(["fit", *tiny_vit_args, "--runs_dir", runs_dir, "--seed_everything", seed,
               "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2"])
         version = len(list((tmp_path / runs_dir / "digits" / "vit" / "none").iterdir())) - 1
         losses.append(scalars(tmp_path / runs_dir / "digits" / "vit" / "none" / f"version_{version}", "val/loss"))
@@ -136,27 +124,25 @@ def test_same_seed_same_numbers(tmp_path):
 
 
 @pytest.mark.parametrize("backbone", ["swin", "cswin"])
-def test_fit_runs_every_backbone(backbone, tmp_path):
+def test_fit_runs_every_backbone(backbone, tmp_path, quick_args):
     os.chdir(tmp_path)
-    main(["fit", *QUICK, "--model.backbone", backbone, "--data.image_size", "16", "--trainer.max_epochs", "1",
+    main(["fit", *quick_args, "--model.backbone", backbone, "--data.image_size", "16", "--trainer.max_epochs", "1",
           "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"])
     assert list((tmp_path / "runs" / "digits" / backbone / "none" / "version_0").glob("events.out.tfevents.*"))
 
 
-def test_missing_cifar_data_is_a_clear_error(tmp_path, capsys):
+def test_missing_cifar_data_is_a_clear_error(tmp_path, capsys, quick_args):
     os.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *QUICK, "--data", "CIFAR10", "--data.root", str(tmp_path / "data")])
+        main(["fit", *quick_args, "--data", "CIFAR10", "--data.root", str(tmp_path / "data")])
     assert exit_info.value.code == 2
     assert "--data.download true" in capsys.readouterr().err
 
 
-def test_switching_data_class_does_not_carry_the_default_class_options(tmp_path):
-    from test_data import _write_cifar
-
-    _write_cifar(tmp_path / "data", "cifar10")
+def test_switching_data_class_does_not_carry_the_default_class_options(tmp_path, tiny_vit_args, write_cifar):
+    write_cifar(tmp_path / "data", "cifar10")
     os.chdir(tmp_path)
-    main(["fit", *QUICK, *SMALL_VIT, "--data", "CIFAR10", "--data.root", "data", "--data.batch_size", "8",
+    main(["fit", *tiny_vit_args, "--data", "CIFAR10", "--data.root", "data", "--data.batch_size", "8",
           "--trainer.max_epochs", "1", "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"])
     saved = yaml.safe_load((tmp_path / "runs" / "cifar10" / "vit" / "none" / "version_0" / "config.yaml").read_text())
     init = saved["data"]["init_args"]

@@ -1,5 +1,4 @@
 """Data modules on real formats: digits, CIFAR python pickles written here, a folder of PNGs."""
-import pickle
 
 import numpy as np
 import pytest
@@ -33,33 +32,9 @@ def test_digits_upsampling_and_bad_size():
         Digits(batch_size=0)
 
 
-def _write_cifar(root, name, n_train_per_file=12, n_test=10):
-    rng = np.random.default_rng(0)
-    if name == "cifar10":
-        folder, files, key, classes = "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], b"labels", 10
-        test_files = ["test_batch"]
-    else:
-        folder, files, key, classes = "cifar-100-python", ["train"], b"fine_labels", 100
-        test_files = ["test"]
-    directory = root / folder
-    directory.mkdir(parents=True)
-    written = {}
-    for file, n in [(f, n_train_per_file) for f in files] + [(f, n_test) for f in test_files]:
-        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-        labels = rng.integers(0, classes, size=n).tolist()
-        entry = {b"batch_label": file.encode(), b"data": data, key: labels,
-                 b"filenames": [f"{i}.png".encode() for i in range(n)]}
-        if name == "cifar100":
-            entry[b"coarse_labels"] = [0] * n
-        with open(directory / file, "wb") as handle:
-            pickle.dump(entry, handle, protocol=2)
-        written[file] = (data, labels)
-    return written
-
-
 @pytest.mark.parametrize("cls,name", [(CIFAR10, "cifar10"), (CIFAR100, "cifar100")])
-def test_cifar_reads_official_pickle_format(tmp_path, cls, name):
-    written = _write_cifar(tmp_path, name)
+def test_cifar_reads_official_pickle_format(tmp_path, cls, name, write_cifar):
+    written = write_cifar(tmp_path, name)
     dm = cls(root=str(tmp_path), val_fraction=0.2, batch_size=4)
     dm.setup()
     n_train = sum(len(lab) for f, (_, lab) in written.items() if "test" not in f)

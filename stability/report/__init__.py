@@ -1,0 +1,92 @@
+"""``stability report RUNS_DIR``: one table and the plots comparing a set of runs.
+
+Reads every run under RUNS_DIR (a directory with ``config.yaml`` and TensorBoard events: sweep
+runs and plain ``runs/.../version_N`` alike), groups runs that differ only in their seed into one
+configuration, and writes under ``results/<study>/`` (``--out``):
+
+* ``report.md`` — one row per configuration: mean ± sample std over seeds of clean accuracy (and on
+  the attack subset), every robust accuracy, local Lipschitz mean / max, the certified bound (log10, where
+  finite), the last
+  epoch's task loss and training time per epoch (training steps only), and the divergence rate.
+  Test-time values (``--test_after_fit`` / ``stability test``) are used where a run has them, else
+  the last values logged during fit. Diverged runs count in the divergence rate only;
+* ``accuracy_vs_lipschitz.png``, ``robust_vs_budget.png``, ``loss_curves.png``,
+  ``lipschitz_distribution.png``, and ``accuracy_vs_certified.png`` where runs have a certified bound.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from .. import exit_codes, tags
+from .aggregate import group, label_configurations, sweep_order, table
+from .plots import (
+    line_styles,
+    plot_accuracy_vs_lipschitz,
+    plot_lipschitz_distribution,
+    plot_loss_curves,
+    plot_robust_vs_budget,
+)
+from .reading import find_runs, load_run
+
+
+def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
+    records = [r for r in (load_run(p) for p in find_runs(runs_dir)) if r is not None]
+    if not records:
+        raise ValueError(f"no finished runs under {runs_dir} (a run is a directory with config.yaml and "
+                         f"TensorBoard events; sweep runs count once done.json is written)")
+    label_configurations(records)
+    sweep_order(runs_dir, records)
+    configurations = group(records)
+    styles = line_styles(configurations)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = {
+        "accuracy_vs_lipschitz.png": plot_accuracy_vs_lipschitz(configurations, styles,
+                                                                out / "accuracy_vs_lipschitz.png", study),
+        "accuracy_vs_certified.png": plot_accuracy_vs_lipschitz(configurations, styles,
+                                                                out / "accuracy_vs_certified.png", study, True),
+        "robust_vs_budget.png": plot_robust_vs_budget(configurations, styles, out / "robust_vs_budget.png", study),
+        "loss_curves.png": plot_loss_curves(configurations, styles, out / "loss_curves.png", study),
+        "lipschitz_distribution.png": plot_lipschitz_distribution(configurations, out / "lipschitz_distribution.png",
+                                                                  study),
+    }
+    test_time = any(tags.stage_metric("test", "acc") in r.scalars for r in records)
+    lines = [f"# {study}", "", f"Made by `{command}` from {len(records)} runs in `{runs_dir}`.", "",
+             "Mean ± sample std over seeds; " + ("test-set values (after fit)" if test_time else
+                                                 "last values logged during fit (validation subset)")
+             + "; diverged runs count only in `diverged`. Robust columns: attack_norm_ε on the evaluation subset; "
+               "`Lip local`: power-iteration estimate of ‖J_f(x)‖₂ per point; `certified log10`: log10 of a "
+               "certified global bound where the model has one; `task loss`: last epoch's training "
+               "cross-entropy; `s/epoch`: training steps only. The Lipschitz distributions are drawn from "
+               "TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
+             table(configurations), ""]
+    for name, drawn in plots.items():
+        if drawn:
+            lines += [f"![{name[:-4]}]({name})", ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stability report", description=__doc__.split("\n")[0])
+    p.add_argument("runs_dir", help="a sweep directory or any directory of runs")
+    p.add_argument("--study", help="study name (default: the directory's name)")
+    p.add_argument("--out", help="output directory (default results/<study>)")
+    args = p.parse_args(argv)
+    runs_dir = Path(args.runs_dir)
+    if not runs_dir.is_dir():
+        print(f"stability report: error: {runs_dir} is not a directory", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    study = args.study or runs_dir.resolve().name
+    out = Path(args.out) if args.out else Path("results") / study
+    command = "stability report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
+    try:
+        report = write_report(runs_dir, out, study, command)
+    except ValueError as err:
+        print(f"stability report: error: {err}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    print(f"wrote {report}")
+    return 0

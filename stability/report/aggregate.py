@@ -1,0 +1,155 @@
+"""Grouping runs into configurations (runs that differ only in their seed), labelling them, and the
+report's table: mean ± sample std over seeds per column."""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..stabilizers import REGISTRY
+from ..sweep.spec import Spec
+from .reading import RunRecord
+
+IGNORED_KEYS = ("seed_everything", "runs_dir", "run_dir", "ckpt_path", "trainer.logger",
+                "trainer.enable_progress_bar", "trainer.callbacks")
+STABILIZER_GROUPS = frozenset(REGISTRY)
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(config, dict):
+        if set(config) <= {"class_path", "init_args"} and "class_path" in config:
+            out = {prefix.rstrip("."): config["class_path"].rpartition(".")[2]}
+            out.update(flatten(config.get("init_args") or {}, prefix))
+            return out
+        out = {}
+        for key, value in config.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): json.dumps(config) if isinstance(config, list) else config}
+
+
+def own_settings(record: RunRecord) -> dict[str, Any]:
+    """The run's flattened config without the option groups of stabilizers it did not select
+    (the CLI writes every group, with defaults, into config.yaml)."""
+    selected = set(record.stabilizer.split("+"))
+    return {k: v for k, v in flatten(record.config).items()
+            if k.partition(".")[0] not in STABILIZER_GROUPS or k.partition(".")[0] in selected}
+
+
+def label_configurations(records: list[RunRecord]) -> None:
+    """Runs without a sweep's label get one from the config keys that differ between runs."""
+    unlabelled = [r for r in records if not r.configuration]
+    if not unlabelled:
+        return
+    flat = [own_settings(r) for r in unlabelled]
+    keys = sorted({k for f in flat for k in f})
+    def varies(key: str) -> bool:
+        """A stabilizer's option labels the runs that selected the stabilizer, when it differs between
+        them or from its default; any other key, when it differs between runs."""
+        name, _, option = key.partition(".")
+        if name not in STABILIZER_GROUPS:
+            return len({repr(f.get(key)) for f in flat}) > 1
+        values = {repr(f[key]) for f in flat if key in f}
+        default = inspect.signature(REGISTRY[name]).parameters.get(option)
+        return len(values) > 1 or (default is not None and values != {repr(default.default)})
+
+    varying = [k for k in keys if not k.startswith(IGNORED_KEYS) and varies(k)]
+    for record, values in zip(unlabelled, flat):
+        parts = [f"{k.removeprefix('model.')}={values[k]}" for k in varying if k in values]
+        record.configuration = ", ".join(parts) or record.stabilizer
+
+
+def sweep_order(root: Path, records: list[RunRecord]) -> None:
+    """Order configurations as the sweep file lists them, where there is one."""
+    spec_file = root / "sweep.yaml"
+    if not spec_file.is_file():
+        return
+
+
+    order = {run.configuration: i for i, run in reversed(list(enumerate(
+        Spec.from_dict(yaml.safe_load(spec_file.read_text()), str(spec_file)).runs())))}
+    for record in records:
+        record.sweep_order = order.get(record.configuration)
+
+
+@dataclass
+class Configuration:
+    label: str
+    stabilizer: str
+    runs: list[RunRecord] = field(default_factory=list)
+
+    @property
+    def finished(self) -> list[RunRecord]:
+        return [r for r in self.runs if r.status != "diverged"]
+
+    @property
+    def diverged(self) -> int:
+        return sum(r.status == "diverged" for r in self.runs)
+
+    def values(self, column: str) -> list[float]:
+        out = []
+        for run in self.finished:
+            value = run.summary.get(column)
+            if value is not None and math.isfinite(value):
+                out.append(value)
+        return out
+
+
+def group(records: list[RunRecord]) -> list[Configuration]:
+    groups: dict[str, Configuration] = {}
+    def key(r):
+        return ((r.sweep_order if r.sweep_order is not None else math.inf, str(r.path)))
+    for record in sorted(records, key=key):
+        groups.setdefault(record.configuration, Configuration(record.configuration, record.stabilizer))
+        groups[record.configuration].runs.append(record)
+    return list(groups.values())
+
+
+def mean_std(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "—"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}g}"
+    return f"{mean:.{digits}g} ± {statistics.stdev(values):.2g}"
+
+
+def columns(configurations: list[Configuration]) -> list[str]:
+    robust = []
+    for config in configurations:
+        for run in config.runs:
+            robust += [k for k in run.robust() if k not in robust]
+    robust.sort(key=_budget_key)
+    fixed_end = ["Lip local mean", "Lip local max", "certified log10", "task loss", "s/epoch"]
+    present = [c for c in fixed_end if any(config.values(c) for config in configurations)]
+    subset = ["clean (attack subset)"] if robust else []
+    return ["clean acc", *subset, *robust, *present]
+
+
+def _budget_key(label: str) -> tuple:
+    attack, norm, eps = parse_label(label)
+    return (norm, attack, eps)
+
+
+def parse_label(label: str) -> tuple[str, str, float]:
+    """``pgd_Linf_8/255`` → (``pgd``, ``Linf``, 8/255)."""
+    attack, norm, eps = label.rsplit("_", 2)
+    numerator, _, denominator = eps.partition("/")
+    return attack, norm, float(numerator) / (float(denominator) if denominator else 1.0)
+
+
+def table(configurations: list[Configuration]) -> str:
+    cols = columns(configurations)
+    head = ["configuration", "seeds", "diverged", *cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for config in configurations:
+        cells = [config.label, str(len(config.runs)), f"{config.diverged}/{len(config.runs)}"]
+        cells += [mean_std(config.values(c), 2 if c == "s/epoch" else 3) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""The report's figures: accuracy vs local Lipschitz (and vs the certified bound), robust accuracy
+vs budget per attack, training-loss curves and local-Lipschitz distributions."""
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .. import tags
+from .aggregate import Configuration, parse_label
+
+
+def _figure(width: float = 7.5, height: float = 4.8):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(width, height), constrained_layout=True)
+    return plt, fig, ax
+
+
+def line_styles(configurations: list[Configuration]) -> dict[str, dict[str, Any]]:
+    """Colour, marker, line style and a short legend name per configuration: one colour per
+    stabilizer (one per configuration when a stabilizer has more than six), a marker / line style
+    per configuration within it."""
+    import matplotlib
+
+    stabilizers = list(dict.fromkeys(c.stabilizer for c in configurations))
+    counts = {name: sum(c.stabilizer == name for c in configurations) for name in stabilizers}
+    per_configuration = max(counts.values()) > 6
+    palette = matplotlib.colormaps["tab20" if per_configuration else "tab10"].colors
+    markers, dashes = "osD^v<>pP*X", ["-", "--", ":", "-."]
+    names = short_names(configurations)
+    styles, seen = {}, {}
+    for index, config in enumerate(configurations):
+        n = seen.get(config.stabilizer, 0)
+        seen[config.stabilizer] = n + 1
+        colour = palette[(index if per_configuration else stabilizers.index(config.stabilizer)) % len(palette)]
+        styles[config.label] = {"color": colour, "marker": markers[n % len(markers)],
+                                "linestyle": dashes[n % len(dashes)], "name": names[config.label]}
+    return styles
+
+
+def short_names(configurations: list[Configuration]) -> dict[str, str]:
+    """Legend names: ``stabilizer=X`` becomes ``X:``, a stabilizer's own options lose its prefix, and
+    settings shared by every configuration of that stabilizer are left out."""
+    parts = {c.label: c.label.split(", ") for c in configurations}
+    names = {}
+    for config in configurations:
+        family = [parts[c.label] for c in configurations if c.stabilizer == config.stabilizer]
+        shared = set.intersection(*(set(f) for f in family)) if len(family) > 1 else set()
+        kept = [part.removeprefix(f"{config.stabilizer}.") for part in parts[config.label]
+                if part not in shared and not part.startswith("stabilizer=")]
+        names[config.label] = f"{config.stabilizer}: {', '.join(kept)}" if kept else config.stabilizer
+    return names
+
+
+def _legend(ax, count: int) -> None:
+    if count > 6:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    else:
+        ax.legend(fontsize=8)
+
+
+def _finish(plt, fig, ax, drawn: int, path: Path, title: str) -> bool:
+    """Title, grid, legend, save; False (and nothing written) when no configuration was drawn."""
+    if drawn:
+        fig.suptitle(title)
+        ax.grid(alpha=0.3, which="both")
+        _legend(ax, drawn)
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return bool(drawn)
+
+
+def plot_accuracy_vs_lipschitz(configurations, styles, path: Path, title: str, certified: bool = False) -> bool:
+    """Clean accuracy against the local estimate (or, with ``certified``, the certified bound:
+    the frontier of Lipschitz-enforced training), one point per configuration."""
+    column = "certified log10" if certified else "Lip local mean"
+    plt, fig, ax = _figure(9, 5)
+    drawn = 0
+    for config in configurations:
+        lip, acc = config.values(column), config.values("clean acc")
+        if not lip or not acc:
+            continue
+        if certified:
+            lip = [10 ** v for v in lip]
+        style = styles[config.label]
+        ax.errorbar(statistics.fmean(lip), statistics.fmean(acc),
+                    xerr=statistics.stdev(lip) if len(lip) > 1 and not certified else None,
+                    yerr=statistics.stdev(acc) if len(acc) > 1 else None,
+                    color=style["color"], marker=style["marker"], linestyle="none", capsize=3,
+                    markersize=7, label=style["name"])
+        drawn += 1
+    ax.set_xscale("log")
+    ax.set_xlabel("certified global Lipschitz bound, mean over seeds (log scale)" if certified
+                  else "local Lipschitz estimate ‖J_f(x)‖₂, mean over points (log scale)")
+    ax.set_ylabel("clean accuracy")
+    what = "certified bound" if certified else "Lipschitz"
+    return _finish(plt, fig, ax, drawn, path, f"{title}: accuracy vs {what} (mean ± std over seeds)")
+
+
+def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> bool:
+    attacks = sorted({parse_label(k)[:2] for c in configurations for r in c.runs for k in r.robust()})
+    if not attacks:
+        return False
+    plt, fig, _ = _figure(max(4.2 * len(attacks), 9.0), 4.6 + 0.22 * math.ceil(len(configurations) / 2))
+    fig.clear()
+    axes = fig.subplots(1, len(attacks), squeeze=False)[0]
+    for ax, (attack, norm) in zip(axes, attacks):
+        for config in configurations:
+            labels = sorted({k for r in config.runs for k in r.robust() if parse_label(k)[:2] == (attack, norm)},
+                            key=lambda k: parse_label(k)[2])
+            clean = config.values("clean (attack subset)")  # the points the attacks ran on
+            if not labels or not clean:
+                continue
+            budgets = [0.0] + [parse_label(k)[2] for k in labels]
+            means = [statistics.fmean(clean)] + [statistics.fmean(config.values(k)) if config.values(k)
+                                                 else math.nan for k in labels]
+            style = styles[config.label]
+            scale = 255 if norm == "Linf" else 1
+            ax.plot([b * scale for b in budgets], means, color=style["color"], marker=style["marker"],
+                    linestyle=style["linestyle"], label=style["name"])
+        ax.set_xlabel("ε (×1/255)" if norm == "Linf" else "ε (ℓ2, pixel units)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{attack.upper()} {norm}")
+        ax.grid(alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=7, loc="outside lower center", ncol=2, frameon=False)
+    fig.suptitle(f"{title}: robust accuracy vs budget on the attack subset (ε = 0: clean; mean over seeds)")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_loss_curves(configurations, styles, path: Path, title: str) -> bool:
+    plt, fig, ax = _figure(9, 5)
+    drawn = 0
+    for config in configurations:
+        curves = [r.scalars.get(tags.per_step(tags.TASK_LOSS)) or r.scalars.get(tags.per_step(tags.TRAIN_LOSS))
+                  for r in config.runs]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        style = styles[config.label]
+        for i, curve in enumerate(curves):  # every seed, one label per configuration
+            steps, values = zip(*curve)
+            values = [v if math.isfinite(v) else math.nan for v in values]
+            ax.plot(steps, values, color=style["color"], linestyle=style["linestyle"], alpha=0.8, linewidth=1.2,
+                    label=style["name"] if i == 0 else None)
+        for run in config.runs:
+            if run.status == "diverged" and run.scalars.get(tags.HP_DIVERGED_AT_STEP):
+                ax.axvline(run.scalars[tags.HP_DIVERGED_AT_STEP][-1][1], color=style["color"], linestyle=":",
+                           alpha=0.7)
+        drawn += 1
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("task loss (cross-entropy, log scale)")
+    return _finish(plt, fig, ax, drawn, path, f"{title}: training loss (every seed; dotted: divergence)")
+
+
+def weighted_quantiles(limits: list[float], counts: list[float], qs: list[float]) -> list[float]:
+    """Quantiles of a TensorBoard histogram (bucket upper limits and counts), each bucket at the
+    geometric middle of its limits."""
+    lower = [limits[0] if i == 0 else limits[i - 1] for i in range(len(limits))]
+    middle = [math.sqrt(a * b) if a > 0 and b > 0 and math.isfinite(a * b) else b for a, b in zip(lower, limits)]
+    pairs = [(m, c) for m, c in zip(middle, counts) if c > 0 and math.isfinite(m)]
+    total = sum(c for _, c in pairs)
+    out = []
+    for q in qs:
+        running = 0.0
+        for value, count in pairs:
+            running += count
+            if running >= q * total:
+                out.append(value)
+                break
+        else:
+            out.append(pairs[-1][0])
+    return out
+
+
+def plot_lipschitz_distribution(configurations, path: Path, title: str) -> bool:
+    stats, colors = [], []
+    styles = line_styles(configurations)
+    for config in configurations:
+        limits, counts = [], []
+        for run in config.finished:
+            entries = (run.histograms.get(tags.measurement(tags.LIPSCHITZ, "local", "test"))
+                       or run.histograms.get(tags.measurement(tags.LIPSCHITZ, "local", "fit")))
+            if entries:
+                _, run_limits, run_counts = entries[-1]
+                limits.append(run_limits)
+                counts.append(run_counts)
+        if not limits:
+            continue
+        merged: dict[float, float] = {}
+        for run_limits, run_counts in zip(limits, counts):
+            for limit, count in zip(run_limits, run_counts):
+                merged[limit] = merged.get(limit, 0.0) + count
+        keys = sorted(merged)
+        q05, q25, q50, q75, q95 = weighted_quantiles(keys, [merged[k] for k in keys], [.05, .25, .5, .75, .95])
+        stats.append({"label": styles[config.label]["name"], "whislo": q05, "q1": q25, "med": q50, "q3": q75,
+                      "whishi": q95,
+                      "fliers": []})
+        colors.append(styles[config.label]["color"])
+    if not stats:
+        return False
+    plt, fig, ax = _figure(max(6.0, 0.55 * len(stats) + 3), 5.2)
+    boxes = ax.bxp(stats, patch_artist=True, showfliers=False)
+    for patch, color in zip(boxes["boxes"], colors):
+        patch.set_facecolor(color)
+        patch.set_alpha(0.55)
+    ax.set_yscale("log")
+    ax.set_ylabel("‖J_f(x)‖₂ per point (log scale)")
+    fig.suptitle(f"{title}: local Lipschitz distribution\n(box: quartiles, whiskers: 5–95%; all seeds pooled)")
+    ax.tick_params(axis="x", labelrotation=35, labelsize=7)
+    for tick in ax.get_xticklabels():
+        tick.set_horizontalalignment("right")
+    ax.grid(alpha=0.3, axis="y", which="both")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,119 @@
+"""Reading runs: every run directory under a root (``config.yaml`` beside TensorBoard events),
+its status, its scalars and histograms."""
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .. import tags
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    config: dict[str, Any]
+    status: str                                   # completed | diverged
+    scalars: dict[str, list[tuple[int, float]]]
+    histograms: dict[str, list]                   # tag -> [(step, limits, counts)]
+    configuration: str = ""
+    sweep_order: int | None = None
+
+    @property
+    def stabilizer(self) -> str:
+        value = self.config.get("stabilizer", "none")
+        return "+".join(value) if isinstance(value, list) else str(value)
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get("seed_everything")
+
+    def last(self, *tags: str) -> float | None:
+        """The last value of the first tag the run has."""
+        for tag in tags:
+            if self.scalars.get(tag):
+                return self.scalars[tag][-1][1]
+        return None
+
+    def measured(self, group: str, stat: str) -> float | None:
+        """A measurement's test-time value where the run has one, else its last value during fit."""
+        return self.last(tags.measurement(group, stat, "test"), tags.measurement(group, stat, "fit"))
+
+    def robust(self) -> dict[str, float]:
+        """``{attack label: accuracy}``: test-time values where present, else the last of fit."""
+        for prefix in (tags.group(tags.ROBUST, "test") + "/", tags.group(tags.ROBUST, "fit") + "/"):
+            found = {tag[len(prefix):]: values[-1][1] for tag, values in self.scalars.items()
+                     if tag.startswith(prefix) and tag != prefix + "clean" and values}
+            if found:
+                return found
+        return {}
+
+    @functools.cached_property
+    def summary(self) -> dict[str, float | None]:
+        """The run's values for the table's columns (read once)."""
+        times = [v for _, v in self.scalars.get(tags.TIME_TRAIN_EPOCH, [])]
+        row = {
+            "clean acc": self.last(tags.stage_metric("test", "acc"), tags.stage_metric("val", "acc")),
+            "clean (attack subset)": self.measured(tags.ROBUST, "clean"),
+            **{f"{k}": v for k, v in self.robust().items()},
+            "Lip local mean": self.measured(tags.LIPSCHITZ, "local_mean"),
+            "Lip local max": self.measured(tags.LIPSCHITZ, "local_max"),
+            "certified log10": self.measured(tags.LIPSCHITZ, "certified_log10"),
+            "task loss": self.last(tags.per_epoch(tags.TASK_LOSS)),
+            "s/epoch": statistics.fmean(times) if times else None,
+        }
+        return row
+
+
+# ---------------------------------------------------------------------------------- reading
+def find_runs(root: Path) -> list[Path]:
+    """Run directories under ``root``: a ``config.yaml`` beside TensorBoard events."""
+    found = []
+    for config in sorted(root.rglob("config.yaml")):
+        run = config.parent
+        if ".interrupted" in run.relative_to(root).parts:
+            continue
+        if any(run.glob("events.out.tfevents.*")):
+            found.append(run)
+    return found
+
+
+def read_events(run: Path) -> tuple[dict, dict]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    histograms: dict[str, list] = {}
+    for events_file in sorted(run.glob("events.out.tfevents.*")):  # fit, then test: one file each
+        events = EventAccumulator(str(events_file), size_guidance={"scalars": 0, "histograms": 0})
+        events.Reload()
+        tags = events.Tags()
+        for tag in tags.get("scalars", []):
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in events.Scalars(tag))
+        for tag in tags.get("histograms", []):
+            histograms.setdefault(tag, []).extend(
+                (e.step, list(e.histogram_value.bucket_limit), list(e.histogram_value.bucket))
+                for e in events.Histograms(tag))
+    return scalars, histograms
+
+
+def load_run(run: Path) -> RunRecord | None:
+    """The run's record, or None for a sweep run that did not finish."""
+    sweep_run = run / "sweep_run.json"
+    done = run / "done.json"
+    if sweep_run.is_file() and not done.is_file():
+        return None
+    if done.is_file():
+        status = json.loads(done.read_text())["status"]
+    else:
+        status = "diverged" if (run / "diverged.json").is_file() else "completed"
+    config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    scalars, histograms = read_events(run)
+    record = RunRecord(run, config, status, scalars, histograms)
+    if sweep_run.is_file():
+        record.configuration = json.loads(sweep_run.read_text())["configuration"]
+    return record

@@ -1,0 +1,89 @@
+"""`stability report`: the table and plots made from the event files of real tiny runs, labels of
+plain runs, histogram quantiles."""
+import statistics
+from pathlib import Path
+
+import pytest
+
+from stability import report
+from stability.report.aggregate import group, label_configurations
+from stability.report.plots import weighted_quantiles
+from stability.report.reading import RunRecord
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory, sweep_file, run_sweep):
+    """Four tiny runs: the baseline and a configuration that diverges, seeds 0 and 1."""
+    root = tmp_path_factory.mktemp("report")
+    diverging = {"stabilizer": "none", "model.optimizer": "sgd", "model.lr": 1.0e5}
+    spec = sweep_file(root, seeds=[0, 1], extra_variants=[diverging])
+    done = run_sweep(root, spec, "--workers", "2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "sweeps" / "tiny"
+
+
+def table_rows(text: str) -> dict[str, dict[str, str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]]
+    return {row["configuration"]: row for row in rows}
+
+
+def test_report_table_is_the_mean_and_std_over_seeds_with_every_plot(tiny_sweep, tmp_path, scalars):
+    out = tmp_path / "results"
+    assert report.main([str(tiny_sweep), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    values = table_rows(text)["stabilizer=none"]
+    assert values["seeds"] == "2" and values["diverged"] == "0/2"
+    accuracies = [scalars(tiny_sweep / f"stabilizer=none,seed={s}", "test/acc")[0] for s in (0, 1)]
+    assert values["clean acc"] == f"{statistics.fmean(accuracies):.3g} ± {statistics.stdev(accuracies):.2g}"
+    assert "pgd_Linf_8/255" in values and "Lip local mean" in values and values["s/epoch"] != "—"
+    for plot in ("accuracy_vs_lipschitz", "robust_vs_budget", "loss_curves", "lipschitz_distribution"):
+        png = out / f"{plot}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, plot
+        assert f"![{plot}]({plot}.png)" in text
+
+
+def test_a_diverged_run_counts_in_the_rate_only(tiny_sweep, tmp_path):
+    out = tmp_path / "results"
+    assert report.main([str(tiny_sweep), "--out", str(out)]) == 0
+    row = table_rows((out / "report.md").read_text())["stabilizer=none, model.optimizer=sgd, model.lr=100000.0"]
+    assert row["seeds"] == "2" and row["diverged"] == "2/2" and row["clean acc"] == "—"
+
+
+def test_a_missing_directory_is_a_clear_error(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def record(path: str, seed: int, **sections) -> RunRecord:
+    config = {"seed_everything": seed, "run_dir": path, "data": {"class_path": "stability.data.Digits",
+                                                                 "init_args": {"batch_size": 64}}, **sections}
+    return RunRecord(Path(path), config, "completed", {}, {})
+
+
+def test_report_labels_plain_runs_by_the_settings_that_differ():
+    runs = [record(f"r{lr}{seed}", seed, model={"lr": lr, "backbone": "vit"})
+            for lr, seed in ((0.001, 0), (0.001, 1), (0.01, 0))]
+    label_configurations(runs)
+    assert [r.configuration for r in runs] == ["lr=0.001", "lr=0.001", "lr=0.01"]
+    assert [len(c.runs) for c in group(runs)] == [2, 1]
+
+
+def test_labels_leave_out_the_options_of_stabilizers_a_run_did_not_select():
+    """config.yaml holds every stabilizer's option group; only the selected ones label a run."""
+    defaults = {"spectral_norm": {"mode": "project", "sigma_max": 1.0}, "jasmin": {"lam": 1e-3}}
+    runs = [record("a", 0, stabilizer="none", **defaults),
+            record("b", 0, stabilizer="spectral_norm", **{**defaults, "spectral_norm": {"mode": "parametrize",
+                                                                                        "sigma_max": 1.0}}),
+            record("c", 0, stabilizer="jasmin", **{**defaults, "jasmin": {"lam": 1e-2}})]
+    label_configurations(runs)
+    assert [r.configuration for r in runs] == [
+        "stabilizer=none", "spectral_norm.mode=parametrize, stabilizer=spectral_norm",
+        "jasmin.lam=0.01, stabilizer=jasmin"]
+
+
+def test_histogram_quantiles_follow_the_buckets():
+    limits, counts = [1.0, 2.0, 4.0, 8.0], [0, 10, 80, 10]
+    q05, q50, q95 = weighted_quantiles(limits, counts, [0.05, 0.5, 0.95])
+    assert 1.0 <= q05 <= 2.0 and 2.0 <= q50 <= 4.0 and 4.0 <= q95 <= 8.0
