@@ -10,8 +10,9 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -40,8 +41,8 @@ def setup(args: argparse.Namespace) -> torch.device:
     return device
 
 
-def build_module(backbone: str, size: str, stabilizer: str, options: Optional[dict] = None, *, image_size: int,
-                 device: torch.device, backbone_options: Optional[dict] = None, lr: float = 1e-3,
+def build_module(backbone: str, size: str, stabilizer: str, options: dict | None = None, *, image_size: int,
+                 device: torch.device, backbone_options: dict | None = None, lr: float = 1e-3,
                  seed: int = 0, in_chans: int = 3) -> tuple[ImageClassifier, torch.optim.Optimizer]:
     """The module and optimizer a ``stability fit`` with these settings trains (10 classes), on
     ``device``, seeded."""

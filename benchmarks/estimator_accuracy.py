@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import torch
-
 from common import arguments, build_module, digits, markdown, setup, train_epochs, train_step, write
 
 from stability.lipschitz import jacobian_norm
@@ -34,7 +33,8 @@ def power_vs_exact(device, epochs: int, points: int, iteration_counts: list[int]
         rows.append([iterations, float(error.mean()), float(error.min()), float(error.max()),
                      f"{float((error.abs() <= 0.01).float().mean()):.0%}"])
     return (f"Micro ViT trained {epochs} epochs on digits at 16×16; {points} validation points; exact norm "
-            f"mean {float(exact.mean()):.3g}, max {float(exact.max()):.3g}. Relative error (estimate − exact)/exact:\n\n"
+            f"mean {float(exact.mean()):.3g}, max {float(exact.max()):.3g}. "
+            "Relative error (estimate − exact)/exact:\n\n"
             + markdown(["power iterations", "mean error", "worst error", "max error", "points within 1%"], rows))
 
 

@@ -12,8 +12,6 @@ Target (issue 7): the local estimate costs ≤ 2 × iterations + 1 training step
 """
 from __future__ import annotations
 
-import torch
-
 from common import arguments, build_module, digits, interleaved, markdown, setup, train_epochs, train_step, write
 
 from stability.lipschitz import empirical_lower_bound, jacobian_norm

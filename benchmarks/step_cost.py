@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
 from common import arguments, build_module, interleaved, markdown, memory_label, peak_memory, setup, train_step, write
 
 from stability.models.registry import PRESETS
@@ -25,10 +23,10 @@ from stability.models.registry import PRESETS
 class Case:
     label: str
     stabilizer: str
-    options: Optional[dict] = None
+    options: dict | None = None
     reference: str = "none"           # the case its ratio is taken against
-    target: Optional[float] = None    # on CPU; GPU targets in gpu_target
-    gpu_target: Optional[float] = None
+    target: float | None = None    # on CPU; GPU targets in gpu_target
+    gpu_target: float | None = None
     vit_only: bool = False
 
 
@@ -61,7 +59,7 @@ def geometry(backbone: str, size: str, tokens: int) -> tuple[int, dict]:
     return image_size, options
 
 
-def verdict(ratio: float, target: Optional[float]) -> str:
+def verdict(ratio: float, target: float | None) -> str:
     if target is None or math.isnan(ratio):
         return ""
     return "met" if ratio <= target else f"missed by {100 * (ratio / target - 1):.1f}%"

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
+from stability import exit_codes
 from stability.classifier import ImageClassifier
-from stability.cli import DIVERGED_EXIT_CODE
 from stability.data import Digits
 from stability.lipschitz import jacobian_norm
 from stability.lipschitz.certified import certified_bound
-from stability.robustness import AttackSpec, robust_accuracy
 from stability.models import attention_sites, capture_attention
 from stability.nn.constraints import rms_norm
 from stability.nn.softmax_bounds import g_k
+from stability.robustness import AttackSpec, robust_accuracy
 from stability.stabilizers.muon import hidden_matrices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,9 +95,9 @@ def main() -> None:
                    "--runs_dir", runs_dir, "--trainer.enable_progress_bar", "false"]
         start = time.time()
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode not in (0, DIVERGED_EXIT_CODE):
+        if done.returncode not in (0, exit_codes.DIVERGED):
             raise RuntimeError(f"{label}: stability fit failed:\n{done.stderr[-2000:]}")
-        if done.returncode == DIVERGED_EXIT_CODE:  # a result, recorded as such
+        if done.returncode == exit_codes.DIVERGED:  # a result, recorded as such
             label += " (diverged)"
         seconds = time.time() - start
         ckpt = max((ROOT / runs_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)

@@ -2,7 +2,7 @@
 automatic optimisation and LR schedulers expect a single optimizer."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -18,7 +18,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.param_groups = [group for opt in optimizers for group in opt.param_groups]
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Callable[[], float] | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -38,7 +38,7 @@ def test_theorem3_bounds_the_exact_head_jacobian(seed):
     for h in range(site.num_heads):
         w_q, w_k, w_v = (site.head_weight(part, h).detach().double() for part in "qkv")
 
-        def head(z):
+        def head(z, w_q=w_q, w_k=w_k, w_v=w_v):
             return torch.softmax((z @ w_q.T) @ (z @ w_k.T).T / d ** 0.5, dim=-1) @ (z @ w_v.T)
 
         exact = torch.linalg.matrix_norm(jacrev(head)(x).reshape(x.shape[0] * d, -1), ord=2)

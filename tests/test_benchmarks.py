@@ -3,8 +3,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -25,7 +23,8 @@ def table_rows(text: str) -> list[list[str]]:
 def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
     text = run_benchmark("step_cost.py", tmp_path / "step.md")
     rows = {row[3]: row for row in table_rows(text)}
-    assert {"none", "jasmin k=10", "jasmin k=10, streamed", "specformer", "spectral_norm project", "lipsformer", "muon soft_cap"} <= set(rows)
+    assert {"none", "jasmin k=10", "jasmin k=10, streamed", "specformer", "spectral_norm project", "lipsformer",
+            "muon soft_cap"} <= set(rows)
     assert rows["none"][5].startswith("1.00×")
     assert rows["specformer"][6] == "≤ 1.10×"
     assert rows["specformer"][7] == "met" or rows["specformer"][7].startswith("missed by ")

@@ -3,8 +3,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stability.models import (CSWinTransformer, Network, attention_sites, build_backbone, capture_attention,
-                              norm_sites, patch_embed, residual_sites)
+from stability.models import (
+    CSWinTransformer,
+    Network,
+    attention_sites,
+    build_backbone,
+    capture_attention,
+    norm_sites,
+    patch_embed,
+    residual_sites,
+)
 from stability.models.cswin import CrossShapedAttention
 
 TINY = {

@@ -1,4 +1,4 @@
-"""Attention diagnostics per layer and head (JaSMin, Yudin et al. 2025; METHODS.md §2):
+"""Attention diagnostics per layer and head (JaSMin, Yudin et al. 2025; docs/methods.md#jasmin):
 
 * ``g1_mean``, ``g1_max`` — g₁ of the attention rows (an upper bound of each row's softmax-Jacobian
   norm, Theorem 4);
@@ -21,7 +21,8 @@ from ..models import attention_sites, capture_attention
 from ..nn.softmax_bounds import g_k, softmax_jacobian
 
 
-def attention_diagnostics(network: nn.Module, images: torch.Tensor, sample_rows: int = 16) -> dict[str, dict[str, torch.Tensor]]:
+def attention_diagnostics(network: nn.Module, images: torch.Tensor,
+                          sample_rows: int = 16) -> dict[str, dict[str, torch.Tensor]]:
     """``{layer_name: {statistic: tensor of shape (heads,)}}`` at ``images``."""
     backbone = network.backbone
     sites = attention_sites(backbone)

@@ -1,4 +1,4 @@
-"""Local Lipschitz estimates of a network at data points (METHODS.md §5).
+"""Local Lipschitz estimates of a network at data points (docs/methods.md#measuring-lipschitz-constants).
 
 * :func:`jacobian_norm` — ‖J_f(x)‖₂ of input→logits at each point.
   ``method="power"``: power iteration on JᵀJ with vector–Jacobian products only (J v is the
@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn

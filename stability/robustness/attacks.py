@@ -1,4 +1,4 @@
-"""Robust accuracy under FGSM, PGD and AutoAttack from torchattacks (METHODS.md §6).
+"""Robust accuracy under FGSM, PGD and AutoAttack from torchattacks (docs/methods.md#robustness-evaluation).
 
 Inputs are in [0, 1] (normalisation lives inside the network). Every attack is seeded
 explicitly (the global RNG is restored afterwards, so evaluation never perturbs training), and
@@ -9,8 +9,8 @@ reference implementation: it is labelled ``autoattack_tap``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torchattacks
