@@ -71,7 +71,7 @@ def measure_robustness(network: torch.nn.Module, images: torch.Tensor, labels: t
     local = jacobian_norm(network, images, method="exact")
     bound, _ = certified_bound(network)
     values = {"local mean": float(local.mean()), "local max": float(local.max()),
-              "certified log10": f"{math.log10(bound):.1f}" if bound else "none"}
+              "certified log10": f"{math.log10(bound.value):.1f}" if bound else "none"}
     values.update(robust_accuracy(network, images, labels, ATTACKS, num_classes=10, pgd_steps=10, seed=0))
     return values
 

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from . import tags
@@ -76,6 +77,7 @@ class ImageClassifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()  # exact means over uneven DDP shards
 
     @property
     def run_name(self) -> str:
@@ -113,26 +115,27 @@ class ImageClassifier(L.LightningModule):
         task = terms["task"]
         total = sum(terms.values())
         for name, term in terms.items():
-            self.log(tags.loss(name), term, on_step=True, on_epoch=True)
+            self.log(tags.loss(name), term, on_step=True, on_epoch=True, sync_dist=True)
         labels = targets.argmax(dim=-1) if targets.ndim == 2 else targets
         self.train_acc(logits.detach(), labels)
-        self.log(tags.TRAIN_LOSS, total, on_step=True, on_epoch=True, prog_bar=True)
+        self.log(tags.TRAIN_LOSS, total, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log(tags.TRAIN_ACC, self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         self.log(tags.TRAIN_LR, self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         return {"loss": total, "task_loss": task.detach()}
 
-    def _evaluate(self, batch, stage: str, metric: MulticlassAccuracy) -> None:
+    def _evaluate(self, batch, stage: str, accuracy: MulticlassAccuracy, loss: MeanMetric) -> None:
         images, labels = batch
         logits = self.network(images)
-        self.log(tags.stage_metric(stage, "loss"), F.cross_entropy(logits, labels), prog_bar=True)
-        metric(logits, labels)
-        self.log(tags.stage_metric(stage, "acc"), metric, prog_bar=True)
+        loss.update(F.cross_entropy(logits, labels), weight=len(labels))
+        accuracy(logits, labels)
+        self.log(tags.stage_metric(stage, "loss"), loss, prog_bar=True)
+        self.log(tags.stage_metric(stage, "acc"), accuracy, prog_bar=True)
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_acc)
+        self._evaluate(batch, "val", self.val_acc, self.val_loss)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_acc)
+        self._evaluate(batch, "test", self.test_acc, self.test_loss)
 
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         """Class probabilities (B, num_classes) of the images of a batch."""

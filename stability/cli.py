@@ -31,6 +31,7 @@ from .callbacks import (
     LipschitzMonitor,
     RobustnessMonitor,
     TensorBoardLayout,
+    TestResults,
     TrainingStability,
 )
 from .classifier import ImageClassifier
@@ -123,7 +124,8 @@ class StabilityCLI(LightningCLI):
             ImageDataModule,
             subclass_mode_data=True,
             seed_everything_default=0,
-            trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [ModelCheckpoint(save_last=True), TensorBoardLayout()]},
+            trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [ModelCheckpoint(save_last=True), TensorBoardLayout(),
+                                                                  TestResults()]},
             auto_configure_optimizers=False,  # the module builds its optimizer (stabilizers may supply one)
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"default_env": False},

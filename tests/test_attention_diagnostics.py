@@ -4,19 +4,40 @@ import torch
 from torch.func import jacrev
 
 from stability.classifier import ImageClassifier
-from stability.lipschitz.attention import attention_diagnostics, head_statistics
+from stability.lipschitz.attention import attention_diagnostics, head_statistics, point_statistics, pool
 from stability.models import attention_sites
 from stability.nn.softmax_bounds import g_k, softmax_jacobian
 
 
 def test_g1_bounds_the_sampled_exact_norms_row_by_row():
-    p = torch.softmax(torch.randn(3, 2, 6, 6) * 4, dim=-1)
-    stats = head_statistics(p, sample_rows=10)
-    rows = p.transpose(0, 1).reshape(2, -1, 6)[:, :10]
-    exact = torch.linalg.matrix_norm(softmax_jacobian(rows.double()), ord=2)
+    p = torch.softmax(torch.randn(3, 2, 6, 6) * 4, dim=-1)  # 3 images, 2 heads, 6 rows each
+    stats = head_statistics(p, batch=3, sample_rows=4)
+    rows = p[:, :, :4]  # the first 4 rows of each image
+    exact = torch.linalg.matrix_norm(softmax_jacobian(rows.double()), ord=2)  # (3, 2, 4)
     assert (g_k(rows.double(), 1) >= exact - 1e-12).all()
     torch.testing.assert_close(stats["softmax_jac_max"], exact.amax(-1).float())
+    assert stats["g1_mean"].shape == (3, 2) and stats["g1_rows"].shape == (3, 2, 6)
     assert (stats["g1_sample_max"] >= stats["softmax_jac_max"] - 1e-6).all()
+
+
+def test_windows_of_an_image_pool_into_that_image():
+    p = torch.softmax(torch.randn(2 * 4, 2, 5, 5), dim=-1)  # 2 images × 4 windows, 2 heads
+    stats = head_statistics(p, batch=2, sample_rows=3)
+    per_image = p.view(2, 4, 2, 5, 5)
+    torch.testing.assert_close(stats["g1_max"][1], g_k(per_image[1], 1).amax(dim=(0, 2)))
+    torch.testing.assert_close(stats["g1_mean"][0], g_k(per_image[0], 1).mean(dim=(0, 2)))
+
+
+def test_pooled_diagnostics_do_not_depend_on_how_points_are_split():
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2, qkv_bias=False)).eval()
+    images = torch.rand(6, 1, 8, 8)
+    whole = point_statistics(module.network, images)
+    parts = [point_statistics(module.network, images[i:i + 2]) for i in (0, 2, 4)]
+    for layer, stats in whole.items():
+        joined = pool({stat: torch.cat([part[layer][stat] for part in parts]) for stat in stats})
+        for stat, value in pool(stats).items():
+            torch.testing.assert_close(joined[stat], value, msg=stat)
 
 
 @pytest.mark.parametrize("seed", range(3))

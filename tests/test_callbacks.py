@@ -62,7 +62,9 @@ def test_monitors_log_during_fit(tmp_path, scalars, tiny_vit_args):
     local, lower = scalars(run, "lipschitz/local_max"), scalars(run, "lipschitz/lower_bound_max")
     assert len(local) == 2 and all(v > 0 for v in local + lower)
     assert scalars(run, "lipschitz/local_noembed_mean") and scalars(run, "weights/sigma/backbone.head")
-    assert scalars(run, "attention/blocks.0.attn/g1_mean_h1")
+    assert scalars(run, "attention/blocks.0.attn/g1_mean") and scalars(run, "attention/blocks.0.attn/entropy")
+    with pytest.raises(KeyError):  # per-head scalars only with --lipschitz.per_head true
+        scalars(run, "attention/blocks.0.attn/g1_mean_h1")
     assert len(scalars(run, "robust/pgd_Linf_8/255")) == 1  # every 2 epochs
     assert scalars(run, "robust/pgd_Linf_8/255")[0] <= scalars(run, "robust/clean")[0]
     assert scalars(run, "stability/grad_norm") and scalars(run, "stability/act_max/blocks.0")

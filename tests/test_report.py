@@ -1,5 +1,6 @@
 """`stability report`: the table and plots made from the event files of real tiny runs, labels of
 plain runs, histogram quantiles."""
+import json
 import statistics
 from pathlib import Path
 
@@ -8,15 +9,16 @@ import pytest
 from stability import report
 from stability.report.aggregate import group, label_configurations
 from stability.report.plots import weighted_quantiles
-from stability.report.reading import RunRecord
+from stability.report.reading import RunRecord, load_run
 
 
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory, sweep_file, run_sweep):
-    """Four tiny runs: the baseline and a configuration that diverges, seeds 0 and 1."""
+    """Six tiny runs: the baseline, LipsFormer (it has a certified bound) and a configuration that
+    diverges, seeds 0 and 1."""
     root = tmp_path_factory.mktemp("report")
     diverging = {"stabilizer": "none", "model.optimizer": "sgd", "model.lr": 1.0e5}
-    spec = sweep_file(root, seeds=[0, 1], extra_variants=[diverging])
+    spec = sweep_file(root, seeds=[0, 1], extra_variants=[diverging, {"stabilizer": "lipsformer"}])
     done = run_sweep(root, spec, "--workers", "2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return root / "sweeps" / "tiny"
@@ -38,7 +40,11 @@ def test_report_table_is_the_mean_and_std_over_seeds_with_every_plot(tiny_sweep,
     accuracies = [scalars(tiny_sweep / f"stabilizer=none,seed={s}", "test/acc")[0] for s in (0, 1)]
     assert values["clean acc"] == f"{statistics.fmean(accuracies):.3g} ± {statistics.stdev(accuracies):.2g}"
     assert "pgd_Linf_8/255" in values and "Lip local mean" in values and values["s/epoch"] != "—"
-    for plot in ("accuracy_vs_lipschitz", "robust_vs_budget", "loss_curves", "lipschitz_distribution"):
+    assert values["worst_Linf_8/255"] != "—" and values["cert L2_0.5"] == "—"  # no certified bound: no column value
+    lipsformer = table_rows(text)["stabilizer=lipsformer"]
+    assert lipsformer["cert L2_0.5"] != "—" and lipsformer["certified log10"] != "—"
+    for plot in ("accuracy_vs_lipschitz", "robust_vs_budget", "loss_curves", "lipschitz_distribution",
+                 "accuracy_vs_certified", "certified_vs_empirical"):
         png = out / f"{plot}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, plot
         assert f"![{plot}]({plot}.png)" in text
@@ -49,6 +55,15 @@ def test_a_diverged_run_counts_in_the_rate_only(tiny_sweep, tmp_path):
     assert report.main([str(tiny_sweep), "--out", str(out)]) == 0
     row = table_rows((out / "report.md").read_text())["stabilizer=none, model.optimizer=sgd, model.lr=100000.0"]
     assert row["seeds"] == "2" and row["diverged"] == "2/2" and row["clean acc"] == "—"
+
+
+def test_test_time_numbers_come_from_results_json(tiny_sweep):
+    run = load_run(tiny_sweep / "stabilizer=none,seed=0")
+    results = json.loads((run.path / "checkpoints" / "results.json").read_text())
+    assert run.results == results
+    assert run.summary["clean acc"] == results["clean_accuracy"]
+    assert run.robust() == {k: v for k, v in results["robustness"]["accuracy"].items() if k != "clean"}
+    assert run.summary["Lip local mean"] == results["lipschitz"]["local_mean"]
 
 
 def test_a_missing_directory_is_a_clear_error(tmp_path, capsys):

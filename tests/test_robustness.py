@@ -1,13 +1,19 @@
-"""Robustness evaluation sanity: robust ≤ clean, PGD ≤ FGSM, ε = 0 is clean accuracy, seeded,
-and it works under Lightning's inference mode."""
+"""Robustness evaluation: robust ≤ clean, PGD ≤ FGSM, ε = 0 is clean accuracy, seeded, works under
+Lightning's inference mode; the official AutoAttack equals pyautoattack called directly; the worst
+case is at most every attack; certified accuracy is at most the empirical robust accuracy."""
+import math
+
 import lightning as L
 import pytest
 import torch
 import torchattacks
+from pyautoattack import AutoAttack
+from torch import nn
 
 from stability.classifier import ImageClassifier
 from stability.data import Digits
-from stability.robustness import AttackSpec, robust_accuracy
+from stability.lipschitz.certified import Bound
+from stability.robustness import AttackSpec, certified_at, certified_radii, l2_radius, robust_accuracy
 
 
 @pytest.fixture(scope="module")
@@ -21,12 +27,28 @@ def trained():
     return module.network.eval(), images, labels
 
 
+@pytest.fixture(scope="module")
+def linear():
+    """A linear classifier of the 8×8 digits (its exact Lipschitz constant is σ₁(W)), and 32 points."""
+    data = Digits()
+    data.setup()
+    x, y = data.train_set.tensors
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(200):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval(), data.val_set.tensors[0][:32], data.val_set.tensors[1][:32]
+
+
 def test_sanity_of_fgsm_pgd_and_budgets(trained):
     network, images, labels = trained
     specs = [AttackSpec(name, "Linf", eps) for name in ("fgsm", "pgd") for eps in (0.0, 2 / 255, 8 / 255)]
     specs.append(AttackSpec("pgd", "L2", 0.5))
     with torch.inference_mode():  # as in Lightning's validate / test
-        results = robust_accuracy(network, images, labels, specs, num_classes=10, pgd_steps=10)
+        results = robust_accuracy(network, images, labels, specs, num_classes=10, pgd_steps=10, batch_size=40)
     clean = results["clean"]
     assert clean > 0.7
     assert results["fgsm_Linf_0/255"] == results["pgd_Linf_0/255"] == clean
@@ -34,8 +56,10 @@ def test_sanity_of_fgsm_pgd_and_budgets(trained):
         assert value <= clean, label
     for eps in ("2/255", "8/255"):
         assert results[f"pgd_Linf_{eps}"] <= results[f"fgsm_Linf_{eps}"]
+        assert results[f"worst_Linf_{eps}"] <= min(results[f"pgd_Linf_{eps}"], results[f"fgsm_Linf_{eps}"])
     assert results["pgd_Linf_8/255"] <= results["pgd_Linf_2/255"]
-    again = robust_accuracy(network, images, labels, specs, num_classes=10, pgd_steps=10)
+    assert "worst_Linf_0/255" not in results  # ε = 0 is no attack
+    again = robust_accuracy(network, images, labels, specs, num_classes=10, pgd_steps=10, batch_size=40)
     assert again == results  # seeded: identical
 
 
@@ -49,17 +73,89 @@ def test_pgd_matches_torchattacks_called_directly(trained):
     assert ours["pgd_Linf_4/255"] == pytest.approx(expected)
 
 
-def test_autoattack_is_labelled_as_torchattacks_and_bounded_by_pgd(trained):
-    network, images, labels = trained
-    spec = AttackSpec("autoattack", "Linf", 8 / 255)
-    assert spec.label == "autoattack_tap_Linf_8/255"
-    results = robust_accuracy(network, images[:32], labels[:32], [spec, AttackSpec("pgd", "Linf", 8 / 255)], 10)
-    assert results[spec.label] <= results["pgd_Linf_8/255"] + 1e-9
+def test_autoattack_labels_say_which_one():
+    assert AttackSpec("autoattack", "Linf", 8 / 255).label == "autoattack_Linf_8/255"
+    assert AttackSpec("autoattack_tap", "Linf", 8 / 255).label == "autoattack_tap_Linf_8/255"
+    assert AttackSpec("autoattack", "L2", 0.5).label == "autoattack_L2_0.5"
+
+
+@pytest.mark.parametrize("norm, eps", [("Linf", 0.05), ("L2", 0.5)])
+def test_official_autoattack_equals_pyautoattack_called_directly(linear, norm, eps):
+    model, images, labels = linear
+    ours = robust_accuracy(model, images, labels, [AttackSpec("autoattack", norm, eps)], 10, seed=3, batch_size=32)
+    attack = AutoAttack(model, eps=eps, norm=norm, seed=3, version="standard", device="cpu")
+    adversarial, _ = attack.run_standard_evaluation(images, labels, batch_size=32)
+    expected = float((model(adversarial).argmax(-1) == labels).float().mean())
+    assert ours[f"autoattack_{AttackSpec('autoattack', norm, eps).budget}"] == expected
+    assert 0 < expected < ours["clean"]  # a budget where it breaks some points and not others
+    again = robust_accuracy(model, images, labels, [AttackSpec("autoattack", norm, eps)], 10, seed=3, batch_size=32)
+    assert again == ours
+
+
+def test_autoattack_at_zero_is_clean_and_where_fgsm_breaks_everything_so_does_autoattack(linear):
+    model, images, labels = linear
+    results = robust_accuracy(model, images, labels, [AttackSpec("autoattack", "Linf", 0.0),
+                                                       AttackSpec("fgsm", "Linf", 0.5),
+                                                       AttackSpec("autoattack", "Linf", 0.5)], 10)
+    assert results["autoattack_Linf_0/255"] == results["clean"] > 0.8
+    assert results["fgsm_Linf_0.5"] == 0.0 and results["autoattack_Linf_0.5"] == 0.0
+
+
+def test_official_autoattack_is_at_least_as_strong_as_pgd_and_the_worst_case_below_both(linear):
+    model, images, labels = linear
+    specs = [AttackSpec("pgd", "Linf", 0.05), AttackSpec("autoattack", "Linf", 0.05),
+             AttackSpec("autoattack_tap", "Linf", 0.05)]
+    results = robust_accuracy(model, images, labels, specs, 10)
+    assert results["autoattack_Linf_0.05"] <= results["pgd_Linf_0.05"] + 1e-9
+    assert results["worst_Linf_0.05"] <= min(results[s.label] for s in specs)
 
 
 def test_bad_attack_names():
-    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
     with pytest.raises(ValueError, match="unknown attack 'cw'"):
-        robust_accuracy(net, torch.rand(2, 1, 2, 2), torch.tensor([0, 1]), [AttackSpec("cw", "Linf", 0.1)], 2)
-    with pytest.raises(ValueError, match="unknown norm 'L1'"):
-        robust_accuracy(net, torch.rand(2, 1, 2, 2), torch.tensor([0, 1]), [AttackSpec("pgd", "L1", 0.1)], 2)
+        AttackSpec("cw", "Linf", 0.1)
+    with pytest.raises(ValueError, match="unknown norm 'L1' for pgd"):
+        AttackSpec("pgd", "L1", 0.1)
+    assert AttackSpec("autoattack", "L1", 1.0).label == "autoattack_L1_1"
+
+
+# ------------------------------------------------------------------------------------ certified
+def test_certified_radius_of_a_linear_model_is_the_distance_to_the_nearest_class_boundary(linear):
+    """For z = Wx + b with the features bound 1 and the head W, the pairwise radius is exactly
+    min_j (z_y − z_j)/‖W_y − W_j‖; the plain one, margin/(√2·σ₁(W)), is smaller."""
+    model, images, labels = linear
+    w = model[1].weight.detach()
+    with torch.no_grad():
+        logits = model(images)
+    plain = certified_radii(logits, labels, Bound(float(torch.linalg.matrix_norm(w, ord=2))))
+    pairwise = certified_radii(logits, labels, Bound(float(torch.linalg.matrix_norm(w, ord=2)), features=1.0,
+                                                     head_weight=w))
+    correct = logits.argmax(-1) == labels
+    for i in range(len(labels)):
+        if not correct[i]:
+            assert plain[i] == pairwise[i] == 0
+            continue
+        y = int(labels[i])
+        exact = min(float((logits[i, y] - logits[i, j]) / (w[y] - w[j]).norm()) for j in range(10) if j != y)
+        assert float(pairwise[i]) == pytest.approx(exact, rel=1e-6)
+        assert float(plain[i]) <= float(pairwise[i]) + 1e-12
+
+
+@pytest.mark.parametrize("radius", [0.1, 0.25, 0.5])
+def test_certified_accuracy_is_at_most_empirical_robust_accuracy(linear, radius):
+    model, images, labels = linear
+    w = model[1].weight.detach()
+    bound = Bound(float(torch.linalg.matrix_norm(w, ord=2)), features=1.0, head_weight=w)
+    with torch.no_grad():
+        radii = certified_radii(model(images), labels, bound)
+    certified = float(certified_at(radii, radius).float().mean())
+    results = robust_accuracy(model, images, labels, [AttackSpec("pgd", "L2", radius),
+                                                       AttackSpec("autoattack", "L2", radius)], 10, pgd_steps=50)
+    assert 0 < certified <= results[f"worst_L2_{radius:g}"] <= results["clean"]
+
+
+def test_linf_budgets_are_certified_through_the_l2_ball_around_them():
+    assert l2_radius("Linf", 2 / 255, 784) == pytest.approx(28 * 2 / 255)
+    assert l2_radius("L2", 0.5, 784) == 0.5
+    radii = torch.tensor([0.0, 0.3, 0.8])
+    assert certified_at(radii, 0.0).tolist() == [False, True, True]
+    assert certified_at(radii, math.sqrt(64) * 0.05).tolist() == [False, False, True]

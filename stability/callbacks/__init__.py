@@ -1,10 +1,11 @@
 """Thin Lightning callbacks around stability.lipschitz, stability.robustness and the training signals."""
 from .divergence import DivergenceDetector, DivergenceMonitor
 from .lipschitz_monitor import LipschitzMonitor
+from .results_file import TestResults
 from .robustness_monitor import RobustnessMonitor
 from .tensorboard_layout import TensorBoardLayout
 from .timing import EpochTimer
 from .training_stability import TrainingStability
 
 __all__ = ["DivergenceDetector", "DivergenceMonitor", "EpochTimer", "LipschitzMonitor", "RobustnessMonitor",
-           "TensorBoardLayout", "TrainingStability"]
+           "TensorBoardLayout", "TestResults", "TrainingStability"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from .. import tags
 
@@ -82,6 +83,8 @@ class DivergenceMonitor(L.Callback):
             return
         total = float(outputs["loss"])
         loss = total if not math.isfinite(total) else float(outputs.get("task_loss", total))
+        if trainer.world_size > 1:  # every process decides on the same (mean) loss, so all stop together
+            loss = float(trainer.strategy.reduce(torch.tensor(loss, device=pl_module.device), reduce_op="mean"))
         if self.detector.update(loss, self._step):
             trainer.should_stop = True
             self._record_divergence(trainer)

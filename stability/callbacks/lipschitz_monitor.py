@@ -1,15 +1,21 @@
-"""Logs Lipschitz measurements during fit (every ``every_n_epochs`` validation) and at test:
+"""Logs Lipschitz measurements during fit (every ``every_n_epochs`` validation, on a fixed subset of
+the validation set) and at test (the whole test split unless ``test_num_points`` limits it):
 
-* ``lipschitz/local_{mean,median,max}`` — local estimate ‖J_f(x)‖₂ at each point of a fixed
-  validation subset (power iteration, a lower bound that tightens with iterations), with a
-  histogram; ``lipschitz/local_noembed_*`` the same from the patch embedding on (optional);
+* ``lipschitz/local_{mean,median,max}`` — local estimate ‖J_f(x)‖₂ at each point (power iteration, a
+  lower bound of the local norm that tightens with iterations), with a histogram;
+  ``lipschitz/local_noembed_*`` the same from the patch embedding on (optional);
 * ``lipschitz/lower_bound_max`` — empirical lower bound by gradient ascent in a small ball;
-* ``lipschitz/certified_log10`` — a stabilizer's certified global bound, where one exists; when
-  none does, nothing is logged and the run says so once;
+* ``lipschitz/certified_log10`` — the model's certified global bound, where one exists; when none
+  does, nothing is logged and the run says so once; ``lipschitz/certified_tightness`` — the bound
+  over the largest local estimate (1 would be tight);
 * ``weights/sigma/<layer>``, ``weights/rms/<layer>`` — σ₁ and RMS→RMS norm of every Linear;
-* ``attention/<layer>/<statistic>_h<head>`` — g₁ mean / max, the exact softmax-Jacobian norm on
-  sampled rows, entropy and JaSMin's Theorem 3 bound where it applies
-  (:mod:`stability.lipschitz.attention`), on the first 16 points of the subset.
+* ``attention/<layer>/<statistic>`` — per-layer aggregates over heads of JaSMin's diagnostics (means
+  of the ``*_mean`` statistics and the entropy, maxima of the others) on the first
+  ``attention_points`` points, and a histogram ``attention/<layer>/g1`` of g₁ over every row;
+  ``per_head`` adds ``attention/<layer>/<statistic>_h<head>``.
+
+Points are measured in fixed batches shared between processes (:mod:`stability.callbacks.points`),
+in float32 whatever the training precision; the weights once, on the first process.
 """
 from __future__ import annotations
 
@@ -19,86 +25,133 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from .. import tags
 from ..lipschitz import empirical_lower_bound, jacobian_norm
-from ..lipschitz.attention import attention_diagnostics
+from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
 from ..nn.spectral import rms_scale, spectral_norms
-from .subset import first_points, has_finite_weights
+from ..robustness.attacks import evaluating, gradients_allowed
+from .bounds import certified_bound_of
+from .points import dataset_of, has_finite_weights, measure_batches, point_count
+from .precision import float32_network
 
 
 class LipschitzMonitor(L.Callback):
-    """Args: every_n_epochs (0: off, also at test), num_points of the fixed subset, power
-    ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``, ``weights``,
-    ``attention`` (the per-head diagnostics)."""
+    """Args: every_n_epochs (0: off, also at test), num_points during fit, test_num_points at test
+    (None: all), power ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``,
+    ``weights``, ``attention`` (the diagnostics) on ``attention_points`` points, ``per_head`` scalars,
+    ``batch_size`` points per batch."""
 
-    def __init__(self, every_n_epochs: int = 1, num_points: int = 64, iterations: int = 10,
-                 exclude_patch_embed: bool = False, lower_bound: bool = True, weights: bool = True,
-                 attention: bool = True) -> None:
-        if every_n_epochs < 0 or num_points < 1 or iterations < 1:
-            raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1, iterations >= 1; got "
-                             f"{every_n_epochs}, {num_points}, {iterations}")
-        self.every_n_epochs, self.num_points, self.iterations = every_n_epochs, num_points, iterations
+    def __init__(self, every_n_epochs: int = 1, num_points: int = 64, test_num_points: int | None = None,
+                 iterations: int = 10, exclude_patch_embed: bool = False, lower_bound: bool = True,
+                 weights: bool = True, attention: bool = True, attention_points: int = 16, per_head: bool = False,
+                 batch_size: int = 64) -> None:
+        if every_n_epochs < 0 or num_points < 1 or iterations < 1 or batch_size < 1 or attention_points < 1:
+            raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1, iterations >= 1, batch_size >= 1 "
+                             f"and attention_points >= 1; got {every_n_epochs}, {num_points}, {iterations}, "
+                             f"{batch_size}, {attention_points}")
+        if test_num_points is not None and test_num_points < 1:
+            raise ValueError(f"test_num_points must be >= 1 or None (all points), got {test_num_points}")
+        self.every_n_epochs, self.num_points, self.test_num_points = every_n_epochs, num_points, test_num_points
+        self.iterations, self.batch_size = iterations, batch_size
         self.exclude_patch_embed, self.lower_bound, self.weights = exclude_patch_embed, lower_bound, weights
-        self.attention = attention
+        self.attention, self.attention_points, self.per_head = attention, attention_points, per_head
         self._said_no_bound = False
+        self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
-        self._measure(trainer, pl_module, trainer.val_dataloaders, "lipschitz")
+        self._measure(trainer, pl_module, trainer.val_dataloaders, self.num_points, "fit")
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs:
-            self._measure(trainer, pl_module, trainer.test_dataloaders, "test_lipschitz")
+            self._measure(trainer, pl_module, trainer.test_dataloaders, self.test_num_points, "test")
 
-    def measure(self, pl_module, images: torch.Tensor) -> dict[str, float]:
-        """All scalar measurements on ``images`` (no Lightning needed beyond the module)."""
-        network = pl_module.network
-        metrics: dict[str, float] = {}
-        with torch.inference_mode(False), torch.enable_grad():
+    def measure_points(self, network: torch.nn.Module, index: int, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-point measurements of one batch (no Lightning needed)."""
+        out = {}
+        with gradients_allowed(), evaluating(network):
             images = images.clone()
-            local = jacobian_norm(network, images, self.iterations)
-            metrics.update(_summary("local", local))
+            out["local"] = jacobian_norm(network, images, self.iterations, seed=index)
             if self.exclude_patch_embed:
-                metrics.update(_summary("local_noembed", jacobian_norm(network, images, self.iterations,
-                                                                       exclude_patch_embed=True)))
+                out["local_noembed"] = jacobian_norm(network, images, self.iterations, exclude_patch_embed=True,
+                                                     seed=index)
             if self.lower_bound:
-                metrics["lower_bound_max"] = float(empirical_lower_bound(network, images).max())
-        self._last_local = local
-        bounds = [b for s in pl_module.stabilizers if (b := s.lipschitz_bound(network)) is not None]
-        if bounds:
-            metrics["certified_log10"] = math.log10(min(bounds))
-        elif not self._said_no_bound:
-            rank_zero_info("lipschitz: this model has no certified global bound (dot-product attention or "
-                           "LayerNorm, or no stabilizer that certifies one); only local estimates are logged")
-            self._said_no_bound = True
-        return metrics
+                out["lower_bound"] = empirical_lower_bound(network, images, seed=index)
+        return out
 
-    def _measure(self, trainer, pl_module, loaders, prefix: str) -> None:
+    def _measure(self, trainer, pl_module, loaders, num_points, stage: tags.Stage) -> None:
         if not has_finite_weights(pl_module):
-            rank_zero_info(f"lipschitz: weights are not finite (the run diverged); {prefix} not measured")
+            rank_zero_info(f"lipschitz: weights are not finite (the run diverged); {stage} not measured")
             return
-        loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
-        images, _ = first_points(loader, self.num_points)
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            metrics = {f"{prefix}/{k}": v for k, v in self.measure(pl_module, images.to(pl_module.device)).items()}
-        finally:
-            pl_module.train(was_training)
-        if self.attention:
-            for layer, stats in attention_diagnostics(pl_module.network, images[:16].to(pl_module.device)).items():
-                for stat, values in stats.items():
-                    metrics.update({f"attention/{layer}/{stat}_h{h}": float(v) for h, v in enumerate(values)})
-        if self.weights:
-            linears = {name: m.weight.detach() for name, m in pl_module.network.named_modules()
-                       if isinstance(m, torch.nn.Linear)}
-            for (name, weight), sigma in zip(linears.items(), spectral_norms(list(linears.values())).tolist()):
-                metrics[f"weights/sigma/{name}"] = sigma
-                metrics[f"weights/rms/{name}"] = sigma * rms_scale(weight)
-        pl_module.log_dict(metrics)
-        for logger in trainer.loggers:
-            if hasattr(logger.experiment, "add_histogram"):
-                logger.experiment.add_histogram(f"{prefix}/local", self._last_local.cpu(), trainer.global_step)
+        dataset = dataset_of(loaders)
+        count = point_count(dataset, num_points)
+        with float32_network(pl_module.network) as network:
+            batches = measure_batches(dataset, count, self.batch_size, pl_module.device,
+                                      lambda index, images, _: self.measure_points(network, index, images))
+            values = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+            metrics: dict[str, float] = {}
+            for key in ("local", "local_noembed"):
+                if key in values:
+                    metrics.update(_summary(key, values[key]))
+            if "lower_bound" in values:
+                metrics["lower_bound_max"] = float(values["lower_bound"].max())
+            bound, reason = certified_bound_of(pl_module.stabilizers, network)
+            if bound is not None:
+                metrics["certified_log10"] = math.log10(bound.value)
+                metrics["certified_tightness"] = bound.value / float(values["local"].max())
+            elif not self._said_no_bound:
+                rank_zero_info(f"lipschitz: this model has no certified global bound ({reason}); only local "
+                               f"estimates are logged")
+                self._said_no_bound = True
+            logged = {f"{tags.group(tags.LIPSCHITZ, stage)}/{k}": v for k, v in metrics.items()}
+            histograms = {f"{tags.group(tags.LIPSCHITZ, stage)}/local": values["local"]}
+            if self.attention:
+                attention_count = min(count, self.attention_points)
+                def diagnostics(index, images, _):
+                    with evaluating(network):
+                        return point_statistics(network, images)
+
+                per_point = measure_batches(dataset, attention_count, self.batch_size, pl_module.device, diagnostics)
+                attention, rows = self._attention(per_point)
+                logged.update(attention)
+                histograms.update(rows)
+            if self.weights and trainer.is_global_zero:
+                logged.update(_weight_norms(network))
+        self.last_results[stage] = {
+            "points": count, **metrics,
+            "certified_bound": None if bound is None else {"value": bound.value, "label": bound.label,
+                                                           "domain": bound.domain}}
+        if trainer.is_global_zero:
+            pl_module.log_dict(logged, sync_dist=True, rank_zero_only=True)
+            for logger in trainer.loggers:
+                if hasattr(logger.experiment, "add_histogram"):
+                    for tag, value in histograms.items():
+                        logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
+
+    def _attention(self, per_point: list[dict[str, dict[str, torch.Tensor]]]
+                   ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Per-layer aggregates over heads (and per-head scalars with ``per_head``), and the g₁ rows."""
+        scalars, rows = {}, {}
+        for layer in per_point[0]:
+            stats = {stat: torch.cat([b[layer][stat] for b in per_point]) for stat in per_point[0][layer]}
+            heads = pool(stats)  # (H,) each
+            for stat, values in heads.items():
+                reduced = values.mean() if stat in MEAN_STATISTICS else values.max()
+                scalars[f"{tags.ATTENTION}/{layer}/{stat}"] = float(reduced)
+                if self.per_head:
+                    scalars.update({f"{tags.ATTENTION}/{layer}/{stat}_h{h}": float(v) for h, v in enumerate(values)})
+            rows[f"{tags.ATTENTION}/{layer}/g1"] = stats["g1_rows"].flatten()
+        return scalars, rows
+
+
+def _weight_norms(network: torch.nn.Module) -> dict[str, float]:
+    linears = {name: m.weight.detach() for name, m in network.named_modules() if isinstance(m, torch.nn.Linear)}
+    metrics = {}
+    for (name, weight), sigma in zip(linears.items(), spectral_norms(list(linears.values())).tolist()):
+        metrics[f"{tags.WEIGHTS}/sigma/{name}"] = sigma
+        metrics[f"{tags.WEIGHTS}/rms/{name}"] = sigma * rms_scale(weight)
+    return metrics
 
 
 def _summary(name: str, values: torch.Tensor) -> dict[str, float]:

@@ -52,4 +52,4 @@ class TensorBoardLayout(L.Callback):
         metrics = trainer.callback_metrics
         for tag, source in ((tags.HP_VAL_ACC, "val/acc"), (tags.HP_VAL_LOSS, "val/loss")):
             if source in metrics:
-                pl_module.log(tag, metrics[source])
+                pl_module.log(tag, metrics[source], sync_dist=True)

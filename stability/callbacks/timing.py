@@ -49,4 +49,4 @@ class EpochTimer(L.Callback):
         if self._events:
             torch.cuda.synchronize(pl_module.device)
             self._seconds = sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
-        pl_module.log(tags.TIME_TRAIN_EPOCH, self._seconds, on_step=False, on_epoch=True)
+        pl_module.log(tags.TIME_TRAIN_EPOCH, self._seconds, on_step=False, on_epoch=True, sync_dist=True)

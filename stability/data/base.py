@@ -7,12 +7,10 @@ that `seed_everything` sets.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -56,18 +54,22 @@ class ImageDataModule(L.LightningDataModule):
         self.horizontal_flip = horizontal_flip
         self.mixup_alpha = mixup_alpha
         self.cutmix_alpha = cutmix_alpha
-        self.train_set: Optional[Dataset] = None
-        self.val_set: Optional[Dataset] = None
-        self.test_set: Optional[Dataset] = None
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
 
     # ----------------------------------------------------------------- loaders
-    def _loader(self, dataset: Optional[Dataset], shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not been run")
+        sampler = None
+        if not shuffle and torch.distributed.is_available() and torch.distributed.is_initialized():
+            sampler = ShardSampler(dataset)  # every point evaluated exactly once across processes
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             drop_last=False,
@@ -95,6 +97,22 @@ class ImageDataModule(L.LightningDataModule):
         if self.mixup_alpha > 0 or self.cutmix_alpha > 0:
             images, labels = mix(images, labels, self.num_classes, self.mixup_alpha, self.cutmix_alpha)
         return images, labels
+
+
+class ShardSampler(DistributedSampler):
+    """Points rank, rank + world, rank + 2·world, … of the data set, in order, without the padding of
+    DistributedSampler (which repeats points so that every process gets as many): evaluation counts
+    every point exactly once whatever the number of processes. Lightning keeps a DistributedSampler
+    it is given instead of replacing it."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        super().__init__(dataset, shuffle=False, drop_last=False)
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
 
 
 def augment(images: torch.Tensor, pad: int, flip: bool) -> torch.Tensor:

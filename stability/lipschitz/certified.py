@@ -26,11 +26,15 @@ a per-token norm bound r is propagated from the pixel box (embedding: ‖W_e‖�
 (differentiating P·V: ‖P‖₂ ≤ √N for a row-stochastic P, ‖M(P_i)‖₂ ≤ g₁ ≤ ½ (JaSMin, Thm 4),
 ‖V‖₂ ≤ √N·r_v, ‖K‖₂ ≤ √N·r_k; rows combined by Minkowski's inequality).
 
-Returns None with the reason when a factor is unbounded; never a made-up number.
+Each bound comes as a :class:`Bound`: its value, a label saying which bound it is, the domain it
+holds on, and — where the logits are a final linear layer — the bound of the features entering it
+and the layer's weight, which certification refines per class pair. Returns None with the reason
+when a factor is unbounded; never a made-up number.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from timm.layers import Mlp
@@ -45,6 +49,30 @@ from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, ScaledGELU
 
 class Unbounded(Exception):
     """A factor of the network has no finite global Lipschitz bound."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A certified ℓ2 Lipschitz bound of the pixels → logits map.
+
+    Args:
+        value: the bound L.
+        label: which bound it is (how it was composed), for tables and results.json.
+        domain: where it holds: ``all inputs`` or ``[0, 1]^n`` (the image box).
+        features: a bound of pixels → the input of the final linear head, where there is one.
+        head_weight: that head's weight (K, F), for the per-class-pair refinement.
+    """
+
+    value: float
+    label: str = "certified"
+    domain: str = "all inputs"
+    features: float | None = None
+    head_weight: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, bound: Bound | float | None) -> Bound | None:
+        """A stabilizer may return a plain number; it becomes an unlabelled bound on all inputs."""
+        return bound if bound is None or isinstance(bound, Bound) else cls(float(bound))
 
 
 def sigma(weight: torch.Tensor) -> float:
@@ -108,12 +136,17 @@ def _vit(network: nn.Module) -> tuple[VisionTransformer, nn.Conv2d]:
     return backbone, proj
 
 
-def _head_factor(backbone: VisionTransformer) -> float:
-    """Final norms (pooling is 1-Lipschitz) and the classifier head."""
-    return norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm) * sigma(backbone.head.weight)
+def _with_head(features: float, backbone: VisionTransformer, label: str, domain: str) -> Bound:
+    """The bound through the final norms (pooling is 1-Lipschitz) and the classifier head, keeping the
+    bound of the head's input for the per-class-pair refinement."""
+    features *= norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm)
+    head = backbone.head
+    if not isinstance(head, nn.Linear):
+        raise Unbounded(f"classifier head {type(head).__name__} is not a Linear layer")
+    return Bound(features * sigma(head.weight), label, domain, features, head.weight.detach().clone())
 
 
-def vit_bound(network: nn.Module) -> float:
+def vit_bound(network: nn.Module) -> Bound:
     backbone, proj = _vit(network)
     bound = 1.0 / float(network.std.min()) * sigma(proj.weight) * norm_lipschitz(backbone.patch_embed.norm)
     tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
@@ -125,7 +158,7 @@ def vit_bound(network: nn.Module) -> float:
             alpha = branch_scale(getattr(block, attr))
             f = attention_lipschitz(branch, tokens) if attr == "drop_path1" else mlp_lipschitz(branch)
             bound *= 1.0 + alpha * f * norm_lipschitz(norm)
-    return bound * _head_factor(backbone)
+    return _with_head(bound, backbone, "LipsFormer composition (Theorems 1–2)", "all inputs")
 
 
 def _norm(t: torch.Tensor | None) -> float:
@@ -139,7 +172,7 @@ def _head_parts(attn: nn.Module, part: str, h: int) -> tuple[float, float]:
     return sigma(attn.qkv.weight[rows]), _norm(bias)
 
 
-def lipschitz_transformer_bound(network: nn.Module) -> float:
+def lipschitz_transformer_bound(network: nn.Module) -> Bound:
     """Bound on [0, 1]ⁿ for the ViT with the Lipschitz-transformer architecture (module docstring)."""
     backbone, proj = _vit(network)
     if not isinstance(backbone.patch_embed.norm, nn.Identity):
@@ -179,10 +212,10 @@ def lipschitz_transformer_bound(network: nn.Module) -> float:
         bound *= (1 - a) + a * mlp_lipschitz(mlp) * norm_lipschitz(block.norm2)
         r_mlp = sigma(mlp.fc2.weight) * (sigma(mlp.fc1.weight) * r + _norm(mlp.fc1.bias)) + _norm(mlp.fc2.bias)
         r = (1 - a) * r + a * r_mlp
-    return bound * _head_factor(backbone)
+    return _with_head(bound, backbone, "Lipschitz-transformer composition on the pixel box", "[0, 1]^n")
 
 
-def certified_bound(network: nn.Module) -> tuple[float | None, str]:
+def certified_bound(network: nn.Module) -> tuple[Bound | None, str]:
     """(bound, "") or (None, reason)."""
     blocks = getattr(network.backbone, "blocks", None)
     convex = blocks is not None and len(blocks) and isinstance(blocks[0], ConvexResidualBlock)

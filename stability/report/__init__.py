@@ -25,6 +25,7 @@ from .aggregate import group, label_configurations, sweep_order, table
 from .plots import (
     line_styles,
     plot_accuracy_vs_lipschitz,
+    plot_certified_vs_empirical,
     plot_lipschitz_distribution,
     plot_loss_curves,
     plot_robust_vs_budget,
@@ -51,16 +52,22 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
         "loss_curves.png": plot_loss_curves(configurations, styles, out / "loss_curves.png", study),
         "lipschitz_distribution.png": plot_lipschitz_distribution(configurations, out / "lipschitz_distribution.png",
                                                                   study),
+        "certified_vs_empirical.png": plot_certified_vs_empirical(configurations, styles,
+                                                                  out / "certified_vs_empirical.png", study),
     }
     test_time = any(tags.stage_metric("test", "acc") in r.scalars for r in records)
     lines = [f"# {study}", "", f"Made by `{command}` from {len(records)} runs in `{runs_dir}`.", "",
              "Mean ± sample std over seeds; " + ("test-set values (after fit)" if test_time else
                                                  "last values logged during fit (validation subset)")
-             + "; diverged runs count only in `diverged`. Robust columns: attack_norm_ε on the evaluation subset; "
-               "`Lip local`: power-iteration estimate of ‖J_f(x)‖₂ per point; `certified log10`: log10 of a "
-               "certified global bound where the model has one; `task loss`: last epoch's training "
-               "cross-entropy; `s/epoch`: training steps only. The Lipschitz distributions are drawn from "
-               "TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
+             + "; diverged runs count only in `diverged`. Robust columns: empirical robust accuracy, "
+               "attack_norm_ε (`autoattack` is the official AutoAttack, `autoattack_tap` torchattacks' weaker one; "
+               "`worst`: the share of points that survive every attack at that budget) on the attacked points, "
+               "whose clean accuracy is `clean (attack subset)` (`clean (AutoAttack subset)` where AutoAttack ran "
+               "on fewer); `cert norm_ε`: certified accuracy from the model's certified Lipschitz bound; "
+               "`Lip local`: power-iteration estimate of ‖J_f(x)‖₂ per point (a local estimate, never a "
+               "certificate); `certified log10`: log10 of the certified global bound where the model has one; "
+               "`task loss`: last epoch's training objective; `s/epoch`: training steps only. Distributions are "
+               "drawn from TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
              table(configurations), ""]
     for name, drawn in plots.items():
         if drawn:

@@ -121,15 +121,20 @@ def mean_std(values: list[float], digits: int = 3) -> str:
 
 
 def columns(configurations: list[Configuration]) -> list[str]:
-    robust = []
+    """The table's columns: clean accuracy (on the whole split, then on the attacked points), robust
+    accuracies by norm, attack and ε (worst case included), certified accuracies, Lipschitz, cost."""
+    robust, certified = [], []
     for config in configurations:
         for run in config.runs:
             robust += [k for k in run.robust() if k not in robust]
+            certified += [f"cert {k}" for k in run.certified() if f"cert {k}" not in certified]
     robust.sort(key=_budget_key)
+    certified.sort(key=lambda c: _budget_key(f"cert_{c[len('cert '):]}"))
     fixed_end = ["Lip local mean", "Lip local max", "certified log10", "task loss", "s/epoch"]
     present = [c for c in fixed_end if any(config.values(c) for config in configurations)]
-    subset = ["clean (attack subset)"] if robust else []
-    return ["clean acc", *subset, *robust, *present]
+    subsets = [c for c in ("clean (attack subset)", "clean (AutoAttack subset)")
+               if robust and any(config.values(c) for config in configurations)]
+    return ["clean acc", *subsets, *robust, *certified, *present]
 
 
 def _budget_key(label: str) -> tuple:

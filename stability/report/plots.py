@@ -113,7 +113,8 @@ def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> boo
         for config in configurations:
             labels = sorted({k for r in config.runs for k in r.robust() if parse_label(k)[:2] == (attack, norm)},
                             key=lambda k: parse_label(k)[2])
-            clean = config.values("clean (attack subset)")  # the points the attacks ran on
+            subset = "clean (AutoAttack subset)" if attack.startswith("autoattack") else "clean (attack subset)"
+            clean = config.values(subset) or config.values("clean (attack subset)")  # the points attacked
             if not labels or not clean:
                 continue
             budgets = [0.0] + [parse_label(k)[2] for k in labels]
@@ -186,22 +187,10 @@ def plot_lipschitz_distribution(configurations, path: Path, title: str) -> bool:
     stats, colors = [], []
     styles = line_styles(configurations)
     for config in configurations:
-        limits, counts = [], []
-        for run in config.finished:
-            entries = (run.histograms.get(tags.measurement(tags.LIPSCHITZ, "local", "test"))
-                       or run.histograms.get(tags.measurement(tags.LIPSCHITZ, "local", "fit")))
-            if entries:
-                _, run_limits, run_counts = entries[-1]
-                limits.append(run_limits)
-                counts.append(run_counts)
-        if not limits:
+        keys, counts = pooled_histogram(config, tags.LIPSCHITZ, "local")
+        if not keys:
             continue
-        merged: dict[float, float] = {}
-        for run_limits, run_counts in zip(limits, counts):
-            for limit, count in zip(run_limits, run_counts):
-                merged[limit] = merged.get(limit, 0.0) + count
-        keys = sorted(merged)
-        q05, q25, q50, q75, q95 = weighted_quantiles(keys, [merged[k] for k in keys], [.05, .25, .5, .75, .95])
+        q05, q25, q50, q75, q95 = weighted_quantiles(keys, counts, [.05, .25, .5, .75, .95])
         stats.append({"label": styles[config.label]["name"], "whislo": q05, "q1": q25, "med": q50, "q3": q75,
                       "whishi": q95,
                       "fliers": []})
@@ -223,3 +212,56 @@ def plot_lipschitz_distribution(configurations, path: Path, title: str) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def plot_certified_vs_empirical(configurations, styles, path: Path, title: str) -> bool:
+    """Per configuration with a certified bound: certified accuracy against the ℓ2 radius — the
+    share of points whose certified radius exceeds it, from the pooled histogram of certified radii
+    (line; bucket resolution) and exactly at the logged radii (markers) — next to the empirical
+    worst-case ℓ2 robust accuracy at the attacked budgets (dashed)."""
+    plt, fig, ax = _figure(9, 5)
+    drawn = 0
+    for config in configurations:
+        exact = {parse_label(f"cert_{k[len('cert '):]}")[2]: config.values(k) for k in _certified_columns(config)
+                 if k.startswith("cert L2_")}
+        if not exact:
+            continue
+        style = styles[config.label]
+        limits, counts = pooled_histogram(config, tags.CERTIFIED, "radius")
+        if counts:
+            total = sum(counts)
+            survival = [sum(c for limit, c in zip(limits, counts) if limit > r) / total for r in limits]
+            ax.step([0.0, *limits], [survival[0], *survival], where="post", color=style["color"], alpha=0.8)
+        radii = sorted(r for r, v in exact.items() if v)
+        ax.plot(radii, [statistics.fmean(exact[r]) for r in radii], color=style["color"], marker=style["marker"],
+                linestyle="none", label=f"{style['name']} (certified)")
+        empirical = sorted((parse_label(k)[2], statistics.fmean(config.values(k))) for k in
+                           {k for r in config.runs for k in r.robust() if k.startswith("worst_L2_")}
+                           if config.values(k))
+        if empirical:
+            ax.plot(*zip(*empirical), color=style["color"], marker=style["marker"], linestyle="--", alpha=0.8,
+                    markerfacecolor="none", label=f"{style['name']} (empirical, worst of attacks)")
+        drawn += 1
+    ax.set_xlabel("ℓ2 radius (pixel units)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    return _finish(plt, fig, ax, drawn, path, f"{title}: certified vs empirical ℓ2 robust accuracy (mean over seeds)")
+
+
+def _certified_columns(config: Configuration) -> list[str]:
+    return sorted({f"cert {k}" for r in config.finished for k in r.certified()})
+
+
+def pooled_histogram(config: Configuration, group: str, name: str) -> tuple[list[float], list[float]]:
+    """A TensorBoard histogram of every finished run of a configuration (test-time where present),
+    pooled: (bucket upper limits, counts)."""
+    merged: dict[float, float] = {}
+    for run in config.finished:
+        entries = (run.histograms.get(tags.measurement(group, name, "test"))
+                   or run.histograms.get(tags.measurement(group, name, "fit")))
+        if entries:
+            _, limits, counts = entries[-1]
+            for limit, count in zip(limits, counts):
+                merged[limit] = merged.get(limit, 0.0) + count
+    keys = sorted(merged)
+    return keys, [merged[k] for k in keys]

@@ -1,5 +1,6 @@
 """Reading runs: every run directory under a root (``config.yaml`` beside TensorBoard events),
-its status, its scalars and histograms."""
+its status, its scalars and histograms, and its ``results.json`` (written at test) where present —
+the test-time numbers are taken from it first."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,9 @@ from typing import Any
 import yaml
 
 from .. import tags
+from ..callbacks.results_file import RESULTS_FILE
+
+NOT_ATTACKS = ("clean", "autoattack_clean")  # accuracies logged beside the attacks that are no attack
 
 
 @dataclass
@@ -23,6 +27,7 @@ class RunRecord:
     histograms: dict[str, list]                   # tag -> [(step, limits, counts)]
     configuration: str = ""
     sweep_order: int | None = None
+    results: dict[str, Any] | None = None         # results.json of its test, if any
 
     @property
     def stabilizer(self) -> str:
@@ -44,26 +49,51 @@ class RunRecord:
         """A measurement's test-time value where the run has one, else its last value during fit."""
         return self.last(tags.measurement(group, stat, "test"), tags.measurement(group, stat, "fit"))
 
-    def robust(self) -> dict[str, float]:
-        """``{attack label: accuracy}``: test-time values where present, else the last of fit."""
-        for prefix in (tags.group(tags.ROBUST, "test") + "/", tags.group(tags.ROBUST, "fit") + "/"):
+    def _group(self, group: str) -> dict[str, float]:
+        """``{stat: value}`` of a measurement group: test-time values where present, else the last of fit."""
+        for stage in ("test", "fit"):
+            prefix = tags.group(group, stage) + "/"
             found = {tag[len(prefix):]: values[-1][1] for tag, values in self.scalars.items()
-                     if tag.startswith(prefix) and tag != prefix + "clean" and values}
+                     if tag.startswith(prefix) and values}
             if found:
                 return found
         return {}
+
+    def robust(self) -> dict[str, float]:
+        """``{attack label: accuracy}`` (with ``worst_<budget>``), without the clean accuracies."""
+        values = self.results["robustness"]["accuracy"] if self._tested("robustness") else self._group(tags.ROBUST)
+        return {k: v for k, v in values.items() if k not in NOT_ATTACKS}
+
+    def certified(self) -> dict[str, float]:
+        """``{budget: certified accuracy}``, e.g. ``L2_0.5``."""
+        if self._tested("robustness"):
+            return dict(self.results["robustness"]["certified"])
+        return {k.removeprefix("acc_"): v for k, v in self._group(tags.CERTIFIED).items() if k.startswith("acc_")}
+
+    def _tested(self, part: str) -> bool:
+        return bool(self.results and self.results.get(part))
+
+    def lipschitz(self, stat: str) -> float | None:
+        if self._tested("lipschitz") and stat in self.results["lipschitz"]:
+            return self.results["lipschitz"][stat]
+        return self.measured(tags.LIPSCHITZ, stat)
 
     @functools.cached_property
     def summary(self) -> dict[str, float | None]:
         """The run's values for the table's columns (read once)."""
         times = [v for _, v in self.scalars.get(tags.TIME_TRAIN_EPOCH, [])]
+        clean = self.results.get("clean_accuracy") if self.results else None
+        attacked = self.results["robustness"]["accuracy"] if self._tested("robustness") else self._group(tags.ROBUST)
         row = {
-            "clean acc": self.last(tags.stage_metric("test", "acc"), tags.stage_metric("val", "acc")),
-            "clean (attack subset)": self.measured(tags.ROBUST, "clean"),
-            **{f"{k}": v for k, v in self.robust().items()},
-            "Lip local mean": self.measured(tags.LIPSCHITZ, "local_mean"),
-            "Lip local max": self.measured(tags.LIPSCHITZ, "local_max"),
-            "certified log10": self.measured(tags.LIPSCHITZ, "certified_log10"),
+            "clean acc": clean if clean is not None else self.last(tags.stage_metric("test", "acc"),
+                                                                  tags.stage_metric("val", "acc")),
+            "clean (attack subset)": attacked.get("clean"),
+            "clean (AutoAttack subset)": attacked.get("autoattack_clean"),
+            **self.robust(),
+            **{f"cert {k}": v for k, v in self.certified().items()},
+            "Lip local mean": self.lipschitz("local_mean"),
+            "Lip local max": self.lipschitz("local_max"),
+            "certified log10": self.lipschitz("certified_log10"),
             "task loss": self.last(tags.per_epoch(tags.TASK_LOSS)),
             "s/epoch": statistics.fmean(times) if times else None,
         }
@@ -101,6 +131,12 @@ def read_events(run: Path) -> tuple[dict, dict]:
     return scalars, histograms
 
 
+def read_results(run: Path) -> dict[str, Any] | None:
+    """The newest ``results.json`` of a run: beside its checkpoints or in the run directory."""
+    found = [p for p in (run / "checkpoints" / RESULTS_FILE, run / RESULTS_FILE) if p.is_file()]
+    return json.loads(max(found, key=lambda p: p.stat().st_mtime).read_text()) if found else None
+
+
 def load_run(run: Path) -> RunRecord | None:
     """The run's record, or None for a sweep run that did not finish."""
     sweep_run = run / "sweep_run.json"
@@ -113,7 +149,7 @@ def load_run(run: Path) -> RunRecord | None:
         status = "diverged" if (run / "diverged.json").is_file() else "completed"
     config = yaml.safe_load((run / "config.yaml").read_text()) or {}
     scalars, histograms = read_events(run)
-    record = RunRecord(run, config, status, scalars, histograms)
+    record = RunRecord(run, config, status, scalars, histograms, results=read_results(run))
     if sweep_run.is_file():
         record.configuration = json.loads(sweep_run.read_text())["configuration"]
     return record

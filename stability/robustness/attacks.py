@@ -1,23 +1,44 @@
-"""Robust accuracy under FGSM, PGD and AutoAttack from torchattacks (docs/methods.md#robustness-evaluation).
+"""Empirical robust accuracy: which points survive FGSM, PGD or AutoAttack
+(docs/methods.md#robustness-evaluation).
 
-Inputs are in [0, 1] (normalisation lives inside the network). Every attack is seeded
-explicitly (the global RNG is restored afterwards, so evaluation never perturbs training), and
-gradients are enabled even when called under ``torch.no_grad`` or Lightning's
-``inference_mode``. AutoAttack is torchattacks' version, which runs fewer iterations than the
-reference implementation: it is labelled ``autoattack_tap``.
+* ``autoattack`` is the official AutoAttack (Croce & Hein 2020, the ``pyautoattack`` package, the
+  code RobustBench depends on): standard version by default — APGD-CE, APGD-T (9 target classes),
+  FAB-T and Square (5,000 queries), 100 iterations each; ℓ∞, ℓ2 and ℓ1; ``plus`` and ``rand`` too.
+* ``autoattack_tap`` is torchattacks' AutoAttack (10 iterations per attack): weaker, optimistic.
+* ``fgsm`` and ``pgd`` come from torchattacks (ℓ2 FGSM is one full-size normalised gradient step).
+
+Inputs are in [0, 1] (normalisation lives inside the network). Every attack runs in float32, in
+eval mode, with gradients enabled even under ``torch.no_grad`` or Lightning's ``inference_mode``,
+seeded explicitly (the global RNG is restored afterwards, so evaluation never perturbs training).
+
+Points are processed in fixed batches and batch b is attacked with seed ``seed + b``, so a point's
+outcome depends only on its batch, not on how batches are spread over processes: one process and
+several give identical results. A point *survives* an attack when the network still classifies the
+attacked image correctly; the worst case over the attacks run at one budget (RobustBench's
+convention) is the share of points that survive every one of them.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torchattacks
+from pyautoattack import AutoAttack
 from torch import nn
 
-ATTACKS = ("fgsm", "pgd", "autoattack")
-NORMS = ("Linf", "L2")
+ATTACKS = ("fgsm", "pgd", "autoattack", "autoattack_tap")
+NORMS = {"fgsm": ("Linf", "L2"), "pgd": ("Linf", "L2"), "autoattack": ("Linf", "L2", "L1"),
+         "autoattack_tap": ("Linf", "L2")}
+AUTOATTACK_VERSIONS = ("standard", "plus", "rand")
+
+
+def budget_label(norm: str, eps: float) -> str:
+    """``Linf_8/255`` for ℓ∞ budgets that are k/255, ``L2_0.5`` otherwise."""
+    k = eps * 255
+    value = f"{round(k)}/255" if norm == "Linf" and abs(k - round(k)) < 1e-6 else f"{eps:g}"
+    return f"{norm}_{value}"
 
 
 @dataclass(frozen=True)
@@ -28,70 +49,140 @@ class AttackSpec:
     norm: str
     eps: float
 
+    def __post_init__(self) -> None:
+        if self.name not in ATTACKS:
+            raise ValueError(f"unknown attack {self.name!r}; choose from {ATTACKS}")
+        if self.norm not in NORMS[self.name]:
+            raise ValueError(f"unknown norm {self.norm!r} for {self.name}; choose from {NORMS[self.name]}")
+        if self.eps < 0:
+            raise ValueError(f"attack budget must be >= 0, got {self.eps}")
+
+    @property
+    def budget(self) -> str:
+        return budget_label(self.norm, self.eps)
+
     @property
     def label(self) -> str:
-        """e.g. ``pgd_Linf_8/255`` for ℓ∞ budgets given as k/255, ``pgd_L2_0.5`` otherwise."""
-        name = "autoattack_tap" if self.name == "autoattack" else self.name
-        k = self.eps * 255
-        eps = f"{round(k)}/255" if self.norm == "Linf" and abs(k - round(k)) < 1e-6 else f"{self.eps:g}"
-        return f"{name}_{self.norm}_{eps}"
+        """e.g. ``pgd_Linf_8/255``, ``autoattack_L2_0.5`` (official), ``autoattack_tap_Linf_2/255``."""
+        return f"{self.name}_{self.budget}"
 
 
-def build_attack(spec: AttackSpec, network: nn.Module, num_classes: int, pgd_steps: int, pgd_alpha: float | None,
-                 seed: int):
-    if spec.name not in ATTACKS:
-        raise ValueError(f"unknown attack {spec.name!r}; choose from {ATTACKS}")
-    if spec.norm not in NORMS:
-        raise ValueError(f"unknown norm {spec.norm!r}; choose from {NORMS}")
-    alpha = pgd_alpha if pgd_alpha is not None else 2.5 * spec.eps / pgd_steps
-    if spec.name == "autoattack":
-        return torchattacks.AutoAttack(network, norm=spec.norm, eps=spec.eps, version="standard",
-                                       n_classes=num_classes, seed=seed)
-    if spec.norm == "L2":
-        if spec.name == "fgsm":
-            return torchattacks.PGDL2(network, eps=spec.eps, alpha=spec.eps, steps=1, random_start=False)
-        return torchattacks.PGDL2(network, eps=spec.eps, alpha=alpha, steps=pgd_steps, random_start=True)
-    if spec.name == "fgsm":
-        return torchattacks.FGSM(network, eps=spec.eps)
-    return torchattacks.PGD(network, eps=spec.eps, alpha=alpha, steps=pgd_steps, random_start=True)
+@dataclass(frozen=True)
+class AttackSettings:
+    """How the attacks run: PGD steps and step size (2.5·ε/steps by default), AutoAttack's version,
+    the base seed, and the number of classes (torchattacks' AutoAttack needs it)."""
+
+    num_classes: int
+    pgd_steps: int = 10
+    pgd_alpha: float | None = None
+    autoattack_version: str = "standard"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.autoattack_version not in AUTOATTACK_VERSIONS:
+            raise ValueError(f"unknown AutoAttack version {self.autoattack_version!r}; "
+                             f"choose from {AUTOATTACK_VERSIONS}")
+        if self.pgd_steps < 1:
+            raise ValueError(f"pgd_steps must be >= 1, got {self.pgd_steps}")
 
 
 @contextlib.contextmanager
-def gradients_allowed():
+def gradients_allowed() -> Iterator[None]:
     """Leave inference mode and no_grad, whatever the caller (Lightning validate/test) set."""
     with torch.inference_mode(False), torch.enable_grad():
         yield
 
 
-def robust_accuracy(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, specs: Sequence[AttackSpec],
-                    num_classes: int, pgd_steps: int = 10, pgd_alpha: float | None = None, seed: int = 0,
-                    batch_size: int = 256) -> dict[str, float]:
-    """``{"clean": acc, spec.label: robust acc, ...}`` on the same points."""
+@contextlib.contextmanager
+def evaluating(network: nn.Module) -> Iterator[None]:
+    """Eval mode and no autocast (float32 measurements under mixed precision) inside the block."""
     was_training = network.training
     network.eval()
-    results: dict[str, float] = {}
+    device = next(network.parameters()).device.type
     try:
-        with gradients_allowed():
-            images, labels = images.clone(), labels.clone()  # ordinary tensors, even from inference mode
-            with torch.no_grad():
-                results["clean"] = _accuracy(network, images, labels, batch_size)
-            for spec in specs:
-                if spec.eps == 0:
-                    results[spec.label] = results["clean"]
-                    continue
-                with torch.random.fork_rng(devices=[images.device] if images.is_cuda else []):
-                    torch.manual_seed(seed)
-                    attack = build_attack(spec, network, num_classes, pgd_steps, pgd_alpha, seed)
-                    adversarial = torch.cat([attack(images[i:i + batch_size], labels[i:i + batch_size])
-                                             for i in range(0, len(labels), batch_size)])
-                with torch.no_grad():
-                    results[spec.label] = _accuracy(network, adversarial, labels, batch_size)
+        with torch.autocast(device_type=device, enabled=False):
+            yield
     finally:
         network.train(was_training)
+
+
+def _attack(spec: AttackSpec, network: nn.Module, settings: AttackSettings, seed: int, device: torch.device):
+    alpha = settings.pgd_alpha if settings.pgd_alpha is not None else 2.5 * spec.eps / settings.pgd_steps
+    if spec.name == "autoattack":
+        attack = AutoAttack(network, eps=spec.eps, norm=spec.norm, seed=seed, version=settings.autoattack_version,
+                            device=device)
+        return lambda x, y: attack.run_standard_evaluation(x, y, batch_size=len(y))[0]
+    if spec.name == "autoattack_tap":
+        return torchattacks.AutoAttack(network, norm=spec.norm, eps=spec.eps, version=settings.autoattack_version,
+                                       n_classes=settings.num_classes, seed=seed)
+    if spec.norm == "L2":
+        if spec.name == "fgsm":
+            return torchattacks.PGDL2(network, eps=spec.eps, alpha=spec.eps, steps=1, random_start=False)
+        return torchattacks.PGDL2(network, eps=spec.eps, alpha=alpha, steps=settings.pgd_steps, random_start=True)
+    if spec.name == "fgsm":
+        return torchattacks.FGSM(network, eps=spec.eps)
+    return torchattacks.PGD(network, eps=spec.eps, alpha=alpha, steps=settings.pgd_steps, random_start=True)
+
+
+def correct(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the network classifies each image correctly."""
+    with torch.no_grad():
+        return network(images).argmax(-1) == labels
+
+
+def survivors(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, spec: AttackSpec,
+              settings: AttackSettings, batch_index: int = 0) -> torch.Tensor:
+    """(B,) bool: the points of one batch still classified correctly after ``spec`` (seed
+    ``settings.seed + batch_index``). ε = 0 is clean correctness."""
+    with gradients_allowed(), evaluating(network):
+        images, labels = images.detach().float().clone(), labels.clone()  # ordinary tensors, even from inference mode
+        if spec.eps == 0:
+            return correct(network, images, labels)
+        seed = settings.seed + batch_index
+        with torch.random.fork_rng(devices=[images.device] if images.is_cuda else []):
+            torch.manual_seed(seed)
+            adversarial = _attack(spec, network, settings, seed, images.device)(images, labels)
+        return correct(network, adversarial.detach(), labels)
+
+
+def evaluate_batch(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, specs: Sequence[AttackSpec],
+                   settings: AttackSettings, batch_index: int = 0) -> dict[str, torch.Tensor]:
+    """``{"clean": (B,) bool, spec.label: (B,) bool, ...}`` for one batch of points."""
+    with gradients_allowed(), evaluating(network):
+        results = {"clean": correct(network, images.detach().float(), labels)}
+    for spec in specs:
+        results[spec.label] = survivors(network, images, labels, spec, settings, batch_index)
     return results
 
 
-def _accuracy(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int) -> float:
-    correct = sum(int((network(images[i:i + batch_size]).argmax(-1) == labels[i:i + batch_size]).sum())
-                  for i in range(0, len(labels), batch_size))
-    return correct / max(1, len(labels))
+def worst_case(masks: dict[str, torch.Tensor], specs: Sequence[AttackSpec]) -> dict[str, torch.Tensor]:
+    """``{"worst_<budget>": (n,) bool}``: survived every attack run at that budget (ε > 0), on the
+    points all of them ran on (a prefix, when an attack ran on fewer points)."""
+    budgets: dict[str, list[str]] = {}
+    for spec in specs:
+        if spec.eps > 0:
+            budgets.setdefault(spec.budget, []).append(spec.label)
+    out = {}
+    for budget, labels in budgets.items():
+        n = min(len(masks[label]) for label in labels)
+        survived = torch.ones(n, dtype=torch.bool)
+        for label in labels:
+            survived &= masks[label][:n].cpu()
+        out[f"worst_{budget}"] = survived
+    return out
+
+
+def accuracies(masks: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {label: float(mask.float().mean()) if len(mask) else float("nan") for label, mask in masks.items()}
+
+
+def robust_accuracy(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, specs: Sequence[AttackSpec],
+                    num_classes: int, pgd_steps: int = 10, pgd_alpha: float | None = None, seed: int = 0,
+                    batch_size: int = 256, autoattack_version: str = "standard") -> dict[str, float]:
+    """``{"clean": acc, spec.label: robust acc, ..., "worst_<budget>": acc}`` on the same points,
+    attacked ``batch_size`` at a time (batch b with seed ``seed + b``)."""
+    settings = AttackSettings(num_classes, pgd_steps, pgd_alpha, autoattack_version, seed)
+    batches = [evaluate_batch(network, images[i:i + batch_size], labels[i:i + batch_size], specs, settings, b)
+               for b, i in enumerate(range(0, len(labels), batch_size))]
+    masks = {label: torch.cat([batch[label].cpu() for batch in batches]) for label in batches[0]}
+    return accuracies({**masks, **worst_case(masks, specs)})

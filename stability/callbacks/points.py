@@ -1,0 +1,92 @@
+"""The evaluation points of the measurement callbacks, and how they are shared between processes.
+
+The points are the first ``num_points`` of the evaluation data set, in its fixed order (all of it
+when ``num_points`` is None), read from the data set itself rather than through the loader, so no
+distributed sampler pads or reorders them. They are cut into fixed batches; under DDP, batch b goes
+to rank b mod world size, every rank measures only its own batches, and the per-batch results are
+gathered to every rank and put back in batch order. The numbers are therefore the same on one
+process and on several, and no point is measured twice.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def dataset_of(loaders) -> Any:
+    loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+    if loader is None:
+        raise ValueError("no evaluation data loader")
+    return loader.dataset
+
+
+def point_count(dataset, num_points: int | None) -> int:
+    size = len(dataset)
+    if size == 0:
+        raise ValueError("the evaluation data set is empty")
+    return size if num_points is None else min(num_points, size)
+
+
+def batch_ranges(count: int, batch_size: int) -> list[tuple[int, int]]:
+    """[(start, stop)] of the global batches of ``count`` points."""
+    return [(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def my_batches(count: int, batch_size: int) -> Iterator[tuple[int, int, int]]:
+    """(batch index, start, stop) of this process's share of the global batches."""
+    rank, world = rank_and_world()
+    for index, (start, stop) in enumerate(batch_ranges(count, batch_size)):
+        if index % world == rank:
+            yield index, start, stop
+
+
+def load(dataset, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (float32) and integer labels of points ``start:stop`` of the data set."""
+    items = [dataset[i] for i in range(start, stop)]
+    images = torch.stack([torch.as_tensor(x) for x, _ in items]).float().to(device)
+    labels = torch.as_tensor([int(y) for _, y in items], dtype=torch.long, device=device)
+    return images, labels
+
+
+def gather_batches(local: dict[int, Any]) -> list[Any]:
+    """Every process's ``{batch index: result}`` merged and listed in batch order (results must
+    be picklable; tensors are moved to the CPU first)."""
+    local = {index: _to_cpu(result) for index, result in local.items()}
+    rank, world = rank_and_world()
+    if world > 1:
+        shards: list[dict[int, Any]] = [{} for _ in range(world)]
+        dist.all_gather_object(shards, local)
+        local = {index: result for shard in shards for index, result in shard.items()}
+    return [local[index] for index in sorted(local)]
+
+
+def measure_batches(dataset, count: int, batch_size: int, device: torch.device,
+                    measure: Callable[[int, torch.Tensor, torch.Tensor], Any]) -> list[Any]:
+    """``measure(batch index, images, labels)`` on this process's batches, gathered from all."""
+    return gather_batches({index: measure(index, *load(dataset, start, stop, device))
+                           for index, start, stop in my_batches(count, batch_size)})
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def has_finite_weights(module: torch.nn.Module) -> bool:
+    """False once a run has diverged into inf/NaN weights: there is nothing left to measure (and
+    an SVD of such a weight raises)."""
+    return all(bool(torch.isfinite(p).all()) for p in module.parameters())

@@ -1,0 +1,85 @@
+"""`stability test` as a researcher reports numbers: the whole test split by default, results.json
+beside the checkpoint, certified accuracy where a bound exists, the same numbers on one process and
+on two DDP processes (CPU, gloo), and float32 measurements under mixed precision."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+TINY = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]
+MEASURE = ["--robustness.test_attacks", "[fgsm, pgd]", "--robustness.pgd_steps", "3", "--lipschitz.iterations", "3",
+           "--lipschitz.attention_points", "8", "--robustness.batch_size", "64", "--lipschitz.batch_size", "64"]
+
+
+def stability(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("stability", path=str(Path(sys.executable).parent))
+    command = [exe] if exe else [sys.executable, "-m", "stability"]
+    done = subprocess.run(command + list(args), cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A LipsFormer ViT (it has a certified bound) trained for a few epochs."""
+    root = tmp_path_factory.mktemp("evaluation")
+    stability("fit", *QUIET, *TINY, "--stabilizer", "lipsformer", "--trainer.max_epochs", "4", "--model.lr", "5e-3",
+              "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0", cwd=root)
+    return root / "runs" / "digits" / "vit" / "lipsformer" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def test_results(checkpoint: Path, *extra: str) -> tuple[dict, subprocess.CompletedProcess]:
+    done = stability("test", *QUIET, "--ckpt_path", str(checkpoint), *MEASURE, *extra, cwd=checkpoint.parents[5])
+    return json.loads((checkpoint.parent / "results.json").read_text()), done
+
+
+test_results.__test__ = False  # a helper, not a test
+
+
+def measured(results: dict) -> dict:
+    """Every accuracy and Lipschitz number of a results.json."""
+    robustness, lipschitz = results["robustness"], results["lipschitz"]
+    return {"clean": results["clean_accuracy"], **robustness["accuracy"],
+            **{f"certified {k}": v for k, v in robustness["certified"].items()},
+            **{k: v for k, v in lipschitz.items() if isinstance(v, float)}}
+
+
+def test_results_json_records_the_whole_test_split_and_certified_accuracy(checkpoint):
+    results, done = test_results(checkpoint)
+    assert results["test_points"] == 270 and results["robustness"]["points"] == 270  # the digits test split
+    assert results["lipschitz"]["points"] == 270
+    accuracy = results["robustness"]["accuracy"]
+    assert accuracy["clean"] == pytest.approx(results["clean_accuracy"])  # attacks on the same points
+    assert accuracy["worst_Linf_8/255"] <= min(accuracy["fgsm_Linf_8/255"], accuracy["pgd_Linf_8/255"])
+    certified = results["robustness"]["certified"]
+    assert {"L2_0.1", "L2_0.5", "Linf_2/255", "Linf_8/255"} <= set(certified)
+    for budget, value in certified.items():
+        assert 0 <= value <= accuracy["clean"]
+        if budget.startswith("Linf"):
+            assert value <= accuracy[f"worst_{budget}"]  # certified ≤ empirical, always
+    bound = results["robustness"]["certified_bound"]
+    assert bound["value"] > 1 and "LipsFormer" in bound["label"] and results["lipschitz"]["certified_log10"] > 0
+    assert results["stabilizers"]["lipsformer"]["center_norm"] is True and results["model"]["backbone"] == "vit"
+    assert "stability test" in results["command"] or "stability" in results["command"]
+    assert "test_certified/acc_L2_0.5" in done.stdout
+
+
+def test_two_ddp_processes_give_the_numbers_of_one(checkpoint):
+    one, _ = test_results(checkpoint)
+    two, done = test_results(checkpoint, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                             "--trainer.accelerator", "cpu")
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert measured(two) == measured(one)
+    assert "sync_dist" not in done.stdout + done.stderr
+
+
+def test_measurements_run_in_float32_under_mixed_precision(checkpoint):
+    full, _ = test_results(checkpoint)
+    mixed, _ = test_results(checkpoint, "--trainer.precision", "bf16-mixed")
+    assert mixed["precision"] == "bf16-mixed"
+    expected = {k: v for k, v in measured(full).items() if k != "clean"}  # test/acc itself runs in bf16
+    assert {k: v for k, v in measured(mixed).items() if k != "clean"} == expected
