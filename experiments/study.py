@@ -5,7 +5,7 @@
     python experiments/study.py paper/jasmin_specformer_cifar10 --devices 0,1,2,3
 
 Rerunning continues an interrupted sweep (complete runs are skipped) and rewrites the report.
-Extra arguments go to ``stability sweep`` (``--workers``, ``--devices``, ``--emit slurm``, ...).
+Extra arguments go to ``stability sweep`` (``--workers``, ``--devices``, ``--submit slurm``, ...).
 """
 import subprocess
 import sys
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
         return 2
     sweep = subprocess.run([sys.executable, "-m", "stability", "sweep", str(spec.relative_to(ROOT)), *extra],
                            cwd=ROOT)
-    if "--emit" in extra or "--dry_run" in extra:
+    if any(flag in extra for flag in ("--emit", "--dry_run", "--submit")):
         return sweep.returncode
     name = Path(study).name
     report = subprocess.run([sys.executable, "-m", "stability", "report", f"runs/sweeps/{name}",

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -17,6 +18,8 @@ from . import tags
 from .models import Network, build_backbone, capture_attention, capture_queries_keys
 from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
 from .stabilizers import ForwardStep, build_stabilizers, stabilizer_names
+
+CROSS_ENTROPY = "cross_entropy"  # logged beside a replaced task loss, not optimised
 
 
 class ImageClassifier(L.LightningModule):
@@ -32,7 +35,7 @@ class ImageClassifier(L.LightningModule):
             them from the data module).
         optimizer, lr, weight_decay, momentum, betas: the default optimizer (weight decay
             on weights of ndim ≥ 2 only).
-        scheduler: ``cosine`` (to ``min_lr_ratio`` · lr) or ``constant``, per step.
+        scheduler: ``cosine`` or ``linear`` (decay to ``min_lr_ratio`` · lr) or ``constant``, per step.
         warmup_epochs: linear warmup length in epochs (fractions allowed); 0 turns it off.
         label_smoothing: of the cross-entropy task loss.
     """
@@ -89,7 +92,11 @@ class ImageClassifier(L.LightningModule):
 
     # ----------------------------------------------------------------- steps
     def losses(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Logits and the loss terms of one training forward pass: ``{"task": ..., <stabilizer>: ...}``."""
+        """Logits and the loss terms of one training forward pass: ``{"task": ..., <stabilizer>: ...}``.
+
+        ``task`` is the objective actually optimised: the cross-entropy, or what a stabilizer's
+        ``task_loss`` replaces it with (then the plain cross-entropy is reported as ``cross_entropy``,
+        and is not added to the total)."""
         backbone = self.network.backbone
         if images.device != self._stabilizers_device:
             for stab in self.stabilizers:
@@ -101,19 +108,29 @@ class ImageClassifier(L.LightningModule):
         qk_ctx = capture_queries_keys(backbone) if needs_queries_keys else contextlib.nullcontext([])
         with probs_ctx as probs, qk_ctx as queries_keys:
             logits = self.network(images)
-        terms = {"task": F.cross_entropy(logits, targets, label_smoothing=self.hparams.label_smoothing)}
         step = ForwardStep(self.network, images, logits, targets, probs, queries_keys, self.global_step)
+        replaced = [(s.name, loss) for s in self.stabilizers
+                    if (loss := s.task_loss(step, self.cross_entropy(targets))) is not None]
+        if len(replaced) > 1:
+            raise ValueError(f"stabilizers {[n for n, _ in replaced]} each replace the task loss; combine at most one")
+        terms = {"task": replaced[0][1] if replaced else self.cross_entropy(targets)(logits)}
         for stab in self.stabilizers:
             term = stab.loss(step)
             if term is not None:
                 terms[stab.name] = term
+        if replaced:
+            terms[CROSS_ENTROPY] = self.cross_entropy(targets)(logits).detach()
         return logits, terms
+
+    def cross_entropy(self, targets: torch.Tensor):
+        """logits ↦ the module's cross-entropy against ``targets`` (labels or soft labels)."""
+        return partial(F.cross_entropy, target=targets, label_smoothing=self.hparams.label_smoothing)
 
     def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         images, targets = batch
         logits, terms = self.losses(images, targets)
         task = terms["task"]
-        total = sum(terms.values())
+        total = sum(term for name, term in terms.items() if name != CROSS_ENTROPY)
         for name, term in terms.items():
             self.log(tags.loss(name), term, on_step=True, on_epoch=True, sync_dist=True)
         labels = targets.argmax(dim=-1) if targets.ndim == 2 else targets
@@ -154,7 +171,25 @@ class ImageClassifier(L.LightningModule):
                     if (opt := s.build_optimizer(self.network, default)) is not None]
         if len(supplied) > 1:
             raise ValueError(f"stabilizers {[n for n, _ in supplied]} each supply an optimizer; combine at most one")
+        self.report_unconstrained_parameters()
         return supplied[0][1] if supplied else default(self.network.named_parameters())
+
+    def unconstrained_parameters(self) -> list[str]:
+        """Trainable parameters that no selected stabilizer keeps norm-bounded after every step."""
+        constrained = {id(p) for s in self.stabilizers for p in s.constrained_parameters(self.network)}
+        return [name for name, p in self.network.named_parameters() if p.requires_grad and id(p) not in constrained]
+
+    def report_unconstrained_parameters(self) -> None:
+        """Where a stabilizer wants the whole network constrained, say which parameters are not."""
+        wanting = [s.name for s in self.stabilizers if s.wants_constrained_network]
+        if not wanting:
+            return
+        free = self.unconstrained_parameters()
+        if free:
+            rank_zero_warn(f"{', '.join(wanting)}: {len(free)} parameter(s) are trained without a norm constraint, "
+                           f"so the Lipschitz bound is not enforced on them: {', '.join(free)}")
+        else:
+            rank_zero_info(f"{', '.join(wanting)}: every trained parameter is norm-constrained after each step")
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -175,3 +210,5 @@ class ImageClassifier(L.LightningModule):
         """The stabilizers' projections after a step (constraints, spectral caps)."""
         for stab in self.stabilizers:
             stab.after_optimizer_step(self.network)
+
+

@@ -187,18 +187,48 @@ class StabilityCLI(LightningCLI):
         """Done in :meth:`parse_arguments` instead (Lightning's version lets the checkpoint override the CLI)."""
 
     def instantiate_trainer(self, **kwargs: Any):
-        """Default logger: TensorBoard under <runs_dir>/<data>/<backbone>/<stabilizers>/version_N,
-        or exactly in ``--run_dir``."""
+        """Default logger: TensorBoard under <runs_dir>/<data>/<backbone>/<stabilizers>/version_N
+        (``--trainer.default_root_dir`` moves the root when ``--runs_dir`` is left at its default), or
+        exactly in ``--run_dir``.
+
+        ``fit --ckpt_path last`` resumes the run's last checkpoint in its own directory: the run
+        directory's with ``--run_dir``, else the newest version_N that has one. Resuming writes into
+        the same events, dropping what was logged after the checkpoint (TensorBoard's purge step)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.trainer.get("logger") is None and "logger" not in kwargs:
-            if config.get("run_dir"):
-                kwargs["logger"] = TensorBoardLogger(save_dir=config.run_dir, name="", version="",
-                                                     default_hp_metric=False)
-            else:
-                kwargs["logger"] = TensorBoardLogger(
-                    save_dir=config.runs_dir, name=f"{self.datamodule.name}/{self.model.run_name}",
-                    default_hp_metric=False)
+            root = config.runs_dir
+            if root == "runs" and config.trainer.get("default_root_dir"):
+                root = config.trainer.default_root_dir
+            name, version = ("", "") if config.get("run_dir") else (
+                f"{self.datamodule.name}/{self.model.run_name}", None)
+            save_dir = config.run_dir or root
+            extra = {}
+            if self.subcommand == "fit" and config.get("ckpt_path"):
+                checkpoint, version = self._resume_point(config.ckpt_path, Path(save_dir) / name, version)
+                self.config_init[self.subcommand]["ckpt_path"] = str(checkpoint)
+                extra["purge_step"] = checkpoint_step(checkpoint)
+            kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name, version=version,
+                                                 default_hp_metric=False, **extra)
         return super().instantiate_trainer(**kwargs)
+
+    @staticmethod
+    def _resume_point(ckpt_path: str, runs: Path, version: str | None) -> tuple[Path, str | None]:
+        """(checkpoint file, logger version) that ``--ckpt_path`` (a file, or ``last``) resumes."""
+        if ckpt_path != "last":
+            checkpoint = Path(ckpt_path)
+            run = checkpoint.resolve().parent.parent
+            if version is None and checkpoint.parent.name == "checkpoints" and run.parent == runs.resolve():
+                version = checkpoint.parent.parent.name  # a version_N of this model: continue it
+        elif version == "":  # --run_dir
+            checkpoint = runs / "checkpoints" / "last.ckpt"
+        else:
+            found = sorted(runs.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+            if not found:
+                raise FileNotFoundError(f"--ckpt_path last: no version_*/checkpoints/last.ckpt under {runs}")
+            checkpoint, version = found[-1], found[-1].parent.parent.name
+        if not checkpoint.is_file():
+            raise FileNotFoundError(f"--ckpt_path: checkpoint {checkpoint} not found")
+        return checkpoint, version
 
     def after_fit(self) -> None:
         """``--test_after_fit``: test the final weights in the same run (same events file)."""
@@ -207,6 +237,13 @@ class StabilityCLI(LightningCLI):
         if diverged(self.trainer) is not None:
             return
         self.trainer.test(self.model, datamodule=self.datamodule)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The global step a checkpoint was saved at."""
+    import torch
+
+    return int(torch.load(path, weights_only=True, map_location="cpu").get("global_step", 0))
 
 
 def diverged(trainer):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 OptimizerName = Literal["adamw", "adam", "sgd"]
-SchedulerName = Literal["cosine", "constant"]
+SchedulerName = Literal["cosine", "linear", "constant"]
 
 
 def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -36,10 +36,12 @@ def make_optimizer(groups: list[dict], name: OptimizerName, lr: float, momentum:
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: SchedulerName, min_ratio: float) -> float:
     """Multiplier of the base learning rate at ``step``: linear warmup from 0 over
-    ``warmup_steps`` (none when 0), then constant or cosine decay to ``min_ratio`` at ``total_steps``."""
+    ``warmup_steps`` (none when 0), then constant, or cosine or linear decay to ``min_ratio`` at ``total_steps``."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -9,10 +9,13 @@ import torch
 
 class CombinedOptimizer(torch.optim.Optimizer):
     """Steps each inner optimizer in turn; ``param_groups`` are theirs (shared dicts), so a
-    scheduler that sets ``lr`` on them reaches every inner optimizer."""
+    scheduler that sets ``lr`` on them reaches every inner optimizer. ``before_update`` runs after
+    the closure (forward and backward) and before the inner steps."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, optimizers: list[torch.optim.Optimizer],
+                 before_update: Callable[[], None] | None = None) -> None:
         self.optimizers = optimizers
+        self.before_update = before_update
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
         super().__init__(params, {})
         self.param_groups = [group for opt in optimizers for group in opt.param_groups]
@@ -23,6 +26,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.before_update is not None:
+            self.before_update()
         for opt in self.optimizers:
             opt.step()
         return loss

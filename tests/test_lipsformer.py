@@ -134,3 +134,39 @@ def test_bad_options():
         LipsFormer(attention="linear")
     with pytest.raises(ValueError, match="eps must be > 0"):
         LipsFormer(eps=0)
+
+
+def test_reference_cswin_branch_scale_divides_each_branch_by_the_root_of_its_heads():
+    """The reference CSwin divides each stripe branch's output (attention + LePE) by √(heads in the
+    branch): with W_O's bias at zero the attention module's output is the unscaled one over √heads."""
+    torch.manual_seed(0)
+    options = {"attention": "dot", "spectral_init": False, "weighted_residual": False, "center_norm": False}
+    plain = ImageClassifier(backbone="cswin", image_size=16, stabilizer="lipsformer",
+                            stabilizer_options={"lipsformer": options})
+    scaled = ImageClassifier(backbone="cswin", image_size=16, stabilizer="lipsformer",
+                             stabilizer_options={"lipsformer": {**options, "branch_scale": True}})
+    scaled.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 8, 8, 32)
+    for a, b in zip(attention_sites(plain.network), attention_sites(scaled.network)):
+        if x.shape[-1] != a.module.qkv.in_features:
+            continue
+        a.module.proj.bias.data.zero_()
+        b.module.proj.bias.data.zero_()
+        heads = a.num_heads // len(a.module.stripes)
+        torch.testing.assert_close(b.module(x), a.module(x) / heads ** 0.5)
+        assert b.module.branch_divisor == pytest.approx(heads ** 0.5)
+        break
+    else:
+        raise AssertionError("no attention module at the first stage's width")
+
+
+def test_spectral_init_can_leave_conv_biases_at_their_default_initialisation():
+    torch.manual_seed(0)
+    reference = ImageClassifier(backbone="cswin", image_size=16, stabilizer="lipsformer",
+                                stabilizer_options={"lipsformer": {"conv_bias_init": "default"}})
+    zeroed = ImageClassifier(backbone="cswin", image_size=16, stabilizer="lipsformer")
+    convs = [m for m in reference.network.modules() if isinstance(m, nn.Conv2d)]
+    assert convs and all(float(m.bias.abs().max()) > 0 for m in convs)
+    assert all(float(m.bias.abs().max()) == 0 for m in zeroed.network.modules() if isinstance(m, nn.Conv2d))
+    with pytest.raises(ValueError, match="conv_bias_init must be"):
+        ImageClassifier(stabilizer="lipsformer", stabilizer_options={"lipsformer": {"conv_bias_init": "ones"}})

@@ -16,6 +16,11 @@ def test_warmup_then_cosine_to_min_ratio():
     assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
 
 
+def test_linear_decay_to_min_ratio():
+    factors = [lr_factor(s, total_steps=100, warmup_steps=0, schedule="linear", min_ratio=0.2) for s in (0, 50, 100)]
+    assert factors == pytest.approx([1.0, 0.6, 0.2])
+
+
 def test_no_warmup_and_constant():
     assert lr_factor(0, 100, 0, "cosine", 0.0) == pytest.approx(1.0)
     assert [lr_factor(s, 100, 0, "constant", 0.0) for s in (0, 50, 99)] == [1.0, 1.0, 1.0]

@@ -56,3 +56,27 @@ def test_bad_options():
         SpectralNorm(layers="heads")
     with pytest.raises(ValueError, match="mode must be 'project' or 'parametrize'"):
         SpectralNorm(mode="clip")
+
+
+def test_project_skips_only_what_is_certainly_below_the_cap_and_never_lets_a_weight_through():
+    """The certified bound b ≥ σ₁ (last exact σ₁ + ‖ΔW‖_F since) spares the exact computation of weights
+    far below the cap, and every weight is at or below the cap after every step (checked by SVD)."""
+    module = ImageClassifier(backbone_options=VIT, stabilizer="spectral_norm",
+                             stabilizer_options={"spectral_norm": {"sigma_max": 1.0}})
+    stab = module.stabilizers[0]
+    weights = [lin.weight for lin in linear_layers(module.network, "all")]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # half the weights at the cap, half far below it
+        for i, w in enumerate(weights):
+            w.mul_((1.0 if i % 2 else 0.05) / float(torch.linalg.matrix_norm(w, ord=2)))
+    stab._previous = None  # changed behind its back: start again from exact values
+    stab.after_optimizer_step(module.network)
+    computed = stab.exact_computations
+    for step in range(20):
+        with torch.no_grad():
+            for w in weights:
+                w.add_(torch.randn(w.shape, generator=gen) * 1e-3)
+        stab.after_optimizer_step(module.network)
+        assert max_sigma(module.network) <= 1.0 + 1e-6, step
+    # the weights far below the cap were never recomputed; those at the cap were, every step
+    assert stab.exact_computations - computed == 20 * (len(weights) // 2)

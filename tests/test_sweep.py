@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stability.sweep import Spec, load_spec
+from stability.sweep import Spec, Sweep, load_spec
 from stability.sweep import main as sweep_main
 
 
@@ -73,18 +73,21 @@ def test_bad_only_names_the_valid_runs(tmp_path, capsys):
     assert "valid: ['seed=0']" in capsys.readouterr().err
 
 
-def test_emit_writes_one_command_per_run_and_a_slurm_array(tmp_path, capsys):
+def test_emit_writes_one_command_per_run(tmp_path):
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text(yaml.safe_dump({"name": "s", "grid": {"model.lr": [0.001, 0.01]}, "seeds": [0, 1, 2]}))
-    assert sweep_main([str(spec_file), "--sweeps_dir", str(tmp_path / "sw"), "--emit", "slurm",
-                       "--slurm_option=--gres=gpu:1"]) == 0
+    assert sweep_main([str(spec_file), "--sweeps_dir", str(tmp_path / "sw"), "--emit", "commands"]) == 0
     root = tmp_path / "sw" / "s"
     commands = (root / "commands.txt").read_text().splitlines()
     assert len(commands) == 6 and all(" sweep " in c and "--only 'model.lr=" in c for c in commands)
-    script = (root / "slurm_array.sh").read_text()
-    assert "#SBATCH --array=0-5" in script and "#SBATCH --gres=gpu:1" in script and "SLURM_ARRAY_TASK_ID" in script
     assert yaml.safe_load((root / "sweep.yaml").read_text())["seeds"] == [0, 1, 2]
     assert not any(p.name.startswith("model.lr") for p in root.iterdir())  # nothing was run
+
+
+def test_bad_submit_options_are_clear(tmp_path, capsys):
+    assert sweep_main(["--name", "s", "--submit", "slurm", "--slurm_option", "account",
+                       "--sweeps_dir", str(tmp_path)]) == 2
+    assert "--slurm_option takes KEY=VALUE" in capsys.readouterr().err
 
 
 def test_a_killed_sweep_reruns_only_what_did_not_finish_and_loses_nothing(tmp_path, scalars, sweep_file, run_sweep):
@@ -165,4 +168,91 @@ def test_every_shipped_sweep_file_expands_and_each_variant_parses(path, capsys, 
             main(spec.command(run, Path("unused"))[3:] + ["--print_config"])
         assert exit_info.value.code in (0, None), run.name
         printed = yaml.safe_load(capsys.readouterr().out)
-        assert printed["stabilizer"] == dict(run.overrides)["stabilizer"] and printed["seed_everything"] == run.seed
+        assert printed["seed_everything"] == run.seed
+        for key, value in run.overrides:  # every override reached the resolved config
+            found = printed
+            for part in key.split("."):
+                found = found.get("init_args", found)[part] if part not in found else found[part]
+            assert found == value or (isinstance(value, dict) and value.items() <= found.items()), (key, found)
+
+
+RESUMABLE = {  # 3 epochs of 6 steps, with the randomness a resumed run must repeat (augmentation, dropout)
+    "trainer.max_epochs": 3, "trainer.limit_train_batches": 6, "trainer.log_every_n_steps": 1,
+    "trainer.enable_model_summary": False, "data.random_crop": 1,
+    "model.backbone_options": {"embed_dim": 16, "depth": 1, "num_heads": 2, "drop_rate": 0.1},
+    "lipschitz.every_n_epochs": 0, "robustness.every_n_epochs": 0, "test_after_fit": True}
+
+
+def resumable_sweep(directory: Path) -> Path:
+    path = directory / "resumable.yaml"
+    path.write_text(yaml.safe_dump({"name": "resumable", "args": RESUMABLE, "seeds": [0]}, sort_keys=False))
+    return path
+
+
+def logged(run: Path, scalars) -> dict[str, list]:
+    return {tag: scalars(run, tag) for tag in ("train/loss_step", "val/loss", "val/acc", "test/acc")}
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(tmp_path, run_sweep,
+                                                                                       scalars):
+    spec = resumable_sweep(tmp_path)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    assert run_sweep(whole, spec).returncode == 0
+    first = subprocess.Popen([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run = tmp_path / "sweeps" / "resumable" / "seed=0"
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "last.ckpt").is_file():  # the first epoch is saved ...
+        assert time.time() < deadline and first.poll() is None, "no checkpoint was written"
+        time.sleep(0.05)
+    time.sleep(0.5)  # ... and the second is under way
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert not (run / "done.json").exists()
+
+    second = run_sweep(tmp_path, spec)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "[resume] seed=0" in second.stdout
+    assert json.loads((run / "sweep_run.json").read_text())["resumed"]
+    reference = logged(whole / "sweeps" / "resumable" / "seed=0", scalars)
+    assert logged(run, scalars) == reference  # every logged step and value, including the test after fit
+    assert len(reference["train/loss_step"]) == 18 and len(reference["test/acc"]) == 1
+
+
+def test_fit_ckpt_path_last_continues_the_newest_version(tmp_path, tiny_vit_args, scalars):
+    from stability.cli import main
+
+    os.chdir(tmp_path)
+    common = [*tiny_vit_args, "--trainer.limit_train_batches", "4", "--lipschitz.every_n_epochs", "0",
+              "--robustness.every_n_epochs", "0", "--trainer.log_every_n_steps", "1"]
+    main(["fit", *common, "--trainer.max_epochs", "1"])
+    main(["fit", *common, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    runs = tmp_path / "runs" / "digits" / "vit" / "none"
+    assert [p.name for p in runs.iterdir()] == ["version_0"]  # continued, not a new version
+    assert len(scalars(runs / "version_0", "train/loss_step")) == 8  # 4 steps in each epoch, none twice
+    with pytest.raises(SystemExit):
+        main(["fit", *common, "--runs_dir", "elsewhere", "--ckpt_path", "last"])
+
+
+def test_submitit_local_jobs_run_the_sweep_and_a_preempted_job_resumes(tmp_path):
+    import submitit
+
+    from stability.sweep.submit import submit
+
+    spec = Spec.from_dict({"name": "submitted", "args": RESUMABLE, "seeds": [0, 1]})
+    sweep = Sweep(spec, str(tmp_path / "sweeps"))
+    jobs = submit(sweep, spec.runs(), "local", str(tmp_path / "sweeps"), timeout_min=10)
+    assert len(jobs) == 2 and all(isinstance(job, submitit.local.local.LocalJob) for job in jobs)
+    run = tmp_path / "sweeps" / "submitted" / "seed=0"
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "last.ckpt").is_file():
+        assert time.time() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+    task = subprocess.run(["pgrep", "-P", str(jobs[0]._process.pid)], capture_output=True, text=True).stdout.split()
+    os.kill(int(task[0]), signal.SIGUSR2)  # preemption: submitit calls RunJob.checkpoint and requeues the job
+    assert [job.result() for job in jobs] == ["completed"] * 2
+    assert json.loads((run / "done.json").read_text())["status"] == "completed"
+    assert json.loads((run / "sweep_run.json").read_text())["resumed"]
+    assert json.loads((tmp_path / "sweeps" / "submitted" / "seed=1" / "done.json").read_text())["status"] == \
+        "completed"

@@ -75,6 +75,15 @@ class DivergenceMonitor(L.Callback):
     def diverged(self) -> bool:
         return self.detector.diverged_at_step is not None
 
+    def state_dict(self) -> dict:
+        """The running loss and spike count travel with checkpoints, so a resumed run judges as before."""
+        d = self.detector
+        return {"running": d.running, "steps": d.steps, "spikes": d.spikes}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.detector.running = state_dict["running"]
+        self.detector.steps, self.detector.spikes = state_dict["steps"], state_dict["spikes"]
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._step = trainer.global_step  # the step this batch's loss belongs to
 

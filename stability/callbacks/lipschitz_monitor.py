@@ -97,10 +97,12 @@ class LipschitzMonitor(L.Callback):
             if "lower_bound" in values:
                 metrics["lower_bound_max"] = float(values["lower_bound"].max())
             bound, reason = certified_bound_of(pl_module.stabilizers, network)
-            if bound is not None:
+            metrics.update({f"{name}_bound_log10": math.log10(value) for stab in pl_module.stabilizers
+                            for name, value in stab.labelled_bounds(network).items() if value > 0})
+            if bound is not None and bound.value > 0:  # 0: a constant network (a zero-initialised head)
                 metrics["certified_log10"] = math.log10(bound.value)
                 metrics["certified_tightness"] = bound.value / float(values["local"].max())
-            elif not self._said_no_bound:
+            elif bound is None and not self._said_no_bound:
                 rank_zero_info(f"lipschitz: this model has no certified global bound ({reason}); only local "
                                f"estimates are logged")
                 self._said_no_bound = True

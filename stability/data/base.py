@@ -10,7 +10,9 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from ..seeding import epoch_seed, seed_epoch
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -62,13 +64,16 @@ class ImageDataModule(L.LightningDataModule):
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not been run")
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         sampler = None
-        if not shuffle and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if not shuffle and distributed:
             sampler = ShardSampler(dataset)  # every point evaluated exactly once across processes
+        elif shuffle and not distributed:
+            sampler = EpochShuffle(dataset)  # DDP: Lightning's DistributedSampler, seeded per epoch too
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            shuffle=shuffle and sampler is None,
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -92,11 +97,35 @@ class ImageDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is None or not trainer.training:
             return batch
+        if getattr(self, "_seeded_epoch", None) != trainer.current_epoch:
+            # The first batch of an epoch, after its loader drew its seeds: from here on the epoch's
+            # random draws (augmentation, dropout) depend on (seed, epoch) only — a resumed run repeats them.
+            seed_epoch(trainer.current_epoch)
+            self._seeded_epoch = trainer.current_epoch
         images, labels = batch
         images = augment(images, self.random_crop, self.horizontal_flip)
         if self.mixup_alpha > 0 or self.cutmix_alpha > 0:
             images, labels = mix(images, labels, self.num_classes, self.mixup_alpha, self.cutmix_alpha)
         return images, labels
+
+
+class EpochShuffle(Sampler):
+    """A random order of the data set seeded by the run's seed and the epoch (Lightning calls
+    ``set_epoch``), not by the global generator: a run resumed from a checkpoint sees the data in the
+    order an uninterrupted one does."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset, self.epoch = dataset, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(epoch_seed(self.epoch, salt=1))
+        return iter(torch.randperm(len(self.dataset), generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return len(self.dataset)
 
 
 class ShardSampler(DistributedSampler):

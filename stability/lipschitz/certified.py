@@ -14,17 +14,8 @@ Implemented for the ViT backbone (timm ``VisionTransformer``) when every factor 
 * MLP: ‖W_2‖ · Lip(act) · ‖W_1‖ with Lip(GELU) = 1.1289…;
 * pooling (class token or mean) is 1-Lipschitz in the Frobenius norm over tokens.
 
-For Newhouse et al.'s Lipschitz transformer (``muon`` with ``lipschitz_transformer``: no norms,
-convex residuals x ← (1−a)x + a·f(x), heads (1/3)·softmax(s·QKᵀ/d)·V, GELU/1.1289) dot-product
-attention is Lipschitz only on bounded inputs, so the bound holds on the image domain [0, 1]ⁿ:
-a per-token norm bound r is propagated from the pixel box (embedding: ‖W_e‖·max‖patch‖ +
-‖b_e + pos_i‖; attention: ‖W_O‖·⅓·√Σ_h(‖W_V^h‖r + ‖b_V^h‖)² + ‖b_O‖; MLP: ‖W₂‖(‖W₁‖r + ‖b₁‖) +
-‖b₂‖; residual (1−a)r + a·r_f), and one head on {X : ‖x_i‖ ≤ r} has
-
-    Lip_h ≤ √N‖W_V‖ + (s·N / 2d)·r_v·(‖W_K‖·r_q + ‖W_Q‖·r_k),   r_• = ‖W_•‖r + ‖b_•‖
-
-(differentiating P·V: ‖P‖₂ ≤ √N for a row-stochastic P, ‖M(P_i)‖₂ ≤ g₁ ≤ ½ (JaSMin, Thm 4),
-‖V‖₂ ≤ √N·r_v, ‖K‖₂ ≤ √N·r_k; rows combined by Minkowski's inequality).
+For Newhouse et al.'s Lipschitz transformer (``lipschitz_transformer``) the bound is composed on the
+image domain [0, 1]ⁿ: :mod:`stability.lipschitz.transformer_bounds`.
 
 Each bound comes as a :class:`Bound`: its value, a label saying which bound it is, the domain it
 holds on, and — where the logits are a final linear layer — the bound of the features entering it
@@ -41,10 +32,10 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..models import AttentionSite, ConvexResidualBlock, KernelAttention
+from ..models import AttentionSite, ConvexResidualBlock, KernelAttention, PatchLinear
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
-from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, ScaledGELU
+from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, ScaledGELU
 
 
 class Unbounded(Exception):
@@ -125,15 +116,17 @@ def branch_scale(module: nn.Module) -> float:
     return 1.0
 
 
-def _vit(network: nn.Module) -> tuple[VisionTransformer, nn.Conv2d]:
-    """The ViT backbone and its patch convolution, which must not overlap (else: Unbounded)."""
+def _vit(network: nn.Module) -> tuple[VisionTransformer, torch.Tensor]:
+    """The ViT backbone and its patch embedding's weight, which must not overlap (else: Unbounded)."""
     backbone = network.backbone
     if not isinstance(backbone, VisionTransformer):
         raise Unbounded(f"certified bounds are implemented for the ViT backbone, not {type(backbone).__name__}")
     proj = backbone.patch_embed.proj
+    if isinstance(proj, PatchLinear):
+        return backbone, proj.linear.weight
     if tuple(proj.stride) != tuple(proj.kernel_size):
         raise Unbounded("overlapping patch embedding")
-    return backbone, proj
+    return backbone, proj.weight
 
 
 def _with_head(features: float, backbone: VisionTransformer, label: str, domain: str) -> Bound:
@@ -147,8 +140,8 @@ def _with_head(features: float, backbone: VisionTransformer, label: str, domain:
 
 
 def vit_bound(network: nn.Module) -> Bound:
-    backbone, proj = _vit(network)
-    bound = 1.0 / float(network.std.min()) * sigma(proj.weight) * norm_lipschitz(backbone.patch_embed.norm)
+    backbone, embed = _vit(network)
+    bound = 1.0 / float(network.std.min()) * sigma(embed) * norm_lipschitz(backbone.patch_embed.norm)
     tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
     for block in backbone.blocks:
         for attr, norm, branch, layer_scale in (("drop_path1", block.norm1, block.attn, block.ls1),
@@ -161,58 +154,17 @@ def vit_bound(network: nn.Module) -> Bound:
     return _with_head(bound, backbone, "LipsFormer composition (Theorems 1–2)", "all inputs")
 
 
-def _norm(t: torch.Tensor | None) -> float:
-    return 0.0 if t is None else float(t.detach().double().norm())
-
-
-def _head_parts(attn: nn.Module, part: str, h: int) -> tuple[float, float]:
-    """(‖W‖₂, ‖b‖) of the ``part`` ('q', 'k' or 'v') projection of head h."""
-    rows = AttentionSite("", attn).head_rows(part, h)
-    bias = attn.qkv.bias[rows] if attn.qkv.bias is not None else None
-    return sigma(attn.qkv.weight[rows]), _norm(bias)
-
-
 def lipschitz_transformer_bound(network: nn.Module) -> Bound:
-    """Bound on [0, 1]ⁿ for the ViT with the Lipschitz-transformer architecture (module docstring)."""
-    backbone, proj = _vit(network)
-    if not isinstance(backbone.patch_embed.norm, nn.Identity):
-        raise Unbounded("a norm in the patch embedding")
-    mean, std = network.mean.flatten().double(), network.std.flatten().double()
-    pixel = torch.maximum(mean, 1 - mean) / std  # largest |normalised pixel| per channel
-    patch_norm = float((pixel.pow(2) * proj.kernel_size[0] * proj.kernel_size[1]).sum().sqrt())
-    pos = backbone.pos_embed.detach().double()[0] if backbone.pos_embed is not None else torch.zeros(1, 1)
-    bias = proj.bias.detach().double() if proj.bias is not None else torch.zeros(pos.shape[-1], dtype=torch.float64)
-    prefix = backbone.num_prefix_tokens
-    r = sigma(proj.weight) * patch_norm + float((bias + pos[prefix:]).norm(dim=-1).max())
-    if prefix:
-        cls = backbone.cls_token.detach().double()[0, 0] + (pos[0] if not backbone.no_embed_class else 0)
-        r = max(r, float(cls.norm()))
-    bound = sigma(proj.weight) / float(network.std.min())
-    tokens = backbone.patch_embed.num_patches + prefix
-    for wrapper in backbone.blocks:
-        if not isinstance(wrapper, ConvexResidualBlock):
-            raise Unbounded("a block without the convex residual")
-        block, a = wrapper.block, wrapper.a
-        attn = block.attn
-        if not isinstance(getattr(attn, "kernel", None), LipschitzDotKernel):
-            raise Unbounded("attention other than the Lipschitz transformer's dot-product kernel")
-        s, d = attn.kernel.s, attn.head_dim
-        heads, outs = [], []
-        for h in range(attn.num_heads):
-            (wq, bq), (wk, bk), (wv, bv) = (_head_parts(attn, part, h) for part in "qkv")
-            r_q, r_k, r_v = wq * r + bq, wk * r + bk, wv * r + bv
-            heads.append(math.sqrt(tokens) * wv + s * tokens / (2 * d) * r_v * (wk * r_q + wq * r_k))
-            outs.append(r_v)
-        w_o = sigma(attn.proj.weight)
-        lip_att = w_o / 3 * math.sqrt(sum(x * x for x in heads)) * norm_lipschitz(block.norm1)
-        r_att = w_o / 3 * math.sqrt(sum(x * x for x in outs)) + _norm(attn.proj.bias)
-        bound *= (1 - a) + a * lip_att
-        r = (1 - a) * r + a * r_att
-        mlp = block.mlp
-        bound *= (1 - a) + a * mlp_lipschitz(mlp) * norm_lipschitz(block.norm2)
-        r_mlp = sigma(mlp.fc2.weight) * (sigma(mlp.fc1.weight) * r + _norm(mlp.fc1.bias)) + _norm(mlp.fc2.bias)
-        r = (1 - a) * r + a * r_mlp
-    return _with_head(bound, backbone, "Lipschitz-transformer composition on the pixel box", "[0, 1]^n")
+    """The pixel-space bound of the Lipschitz-transformer ViT on [0, 1]ⁿ (transformer_bounds)."""
+    from .transformer_bounds import NotALipschitzTransformer, pixel_bound
+
+    backbone = network.backbone
+    try:
+        value, features = pixel_bound(network)
+    except NotALipschitzTransformer as reason:
+        raise Unbounded(str(reason)) from None
+    return Bound(float(value), "Lipschitz-transformer composition on the pixel box", "[0, 1]^n", float(features),
+                 backbone.head.weight.detach().clone())
 
 
 def certified_bound(network: nn.Module) -> tuple[Bound | None, str]:

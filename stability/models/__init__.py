@@ -1,16 +1,21 @@
 """Backbones (ViT, Swin from timm; CSwin ours), the registry, the uniform view of their parts and
 the surgery stabilizers perform on them."""
-from .adapters import ConvexResidualBlock, KernelAttention, KernelWindowAttention
+from .adapters import ConvexResidualBlock, KernelAttention, KernelWindowAttention, PatchLinear, SplitQKV
 from .cswin import CSWinTransformer
 from .network import Network
 from .registry import BUILDERS, PRESETS, build_backbone
 from .surgery import (
     LINEAR_CHOICES,
+    ROLES,
     linear_layers,
+    linear_patch_embedding,
+    linear_role,
+    remove_biases,
     replace_activations,
     replace_attention_kernel,
     replace_attention_kernels,
     replace_submodule,
+    split_qkv,
     use_convex_residuals,
 )
 from .view import (
@@ -29,8 +34,9 @@ from .view import (
 
 __all__ = [
     "AttentionSite", "BUILDERS", "CSWinTransformer", "ConvexResidualBlock", "KernelAttention",
-    "KernelWindowAttention", "LINEAR_CHOICES", "Network", "NormSite", "PRESETS", "ResidualSite", "attention_sites",
-    "build_backbone", "capture_attention", "capture_queries_keys", "explicit_attention", "linear_layers",
-    "norm_sites", "patch_embed", "replace_activations", "replace_attention_kernel", "replace_attention_kernels",
-    "replace_submodule", "residual_sites", "supports_query_key_capture", "use_convex_residuals",
+    "KernelWindowAttention", "LINEAR_CHOICES", "Network", "NormSite", "PRESETS", "PatchLinear", "ROLES",
+    "ResidualSite", "SplitQKV", "attention_sites", "build_backbone", "capture_attention", "capture_queries_keys",
+    "explicit_attention", "linear_layers", "linear_patch_embedding", "linear_role", "norm_sites", "patch_embed",
+    "remove_biases", "replace_activations", "replace_attention_kernel", "replace_attention_kernels",
+    "replace_submodule", "residual_sites", "split_qkv", "supports_query_key_capture", "use_convex_residuals",
 ]

@@ -6,6 +6,8 @@
   Lipschitz transformer's (1/3)·softmax(s·QKᵀ/d)·V). CSwin takes a kernel natively.
 * :class:`ConvexResidualBlock` computes a transformer block with convex residuals
   x ← (1 − a)·x + a·f(x) (Newhouse et al. 2025), bypassing the block's own additions and DropPath.
+* :class:`SplitQKV` holds a fused qkv projection as three Linear layers; :class:`PatchLinear` computes
+  a non-overlapping patch convolution as the Linear map patch → token.
 
 They rely on timm internals (Swin blocks partition windows in a private ``_attn``); the tests in
 ``tests/test_compat.py`` fail by name when those change.
@@ -82,3 +84,62 @@ class ConvexResidualBlock(nn.Module):
         attention = self.block._attn if hasattr(self.block, "_attn") else self.block.attn
         x = (1 - self.a) * x + self.a * attention(self.block.norm1(x))
         return (1 - self.a) * x + self.a * self.block.mlp(self.block.norm2(x))
+
+
+class SplitQKV(nn.Module):
+    """A fused qkv projection held as three Linear layers ``q``, ``k``, ``v`` (D → H·d each) that
+    computes the same x ↦ [q(x) | k(x) | v(x)], so that an optimizer or a constraint treats W_Q, W_K
+    and W_V as the separate matrices they are (Newhouse et al. 2025). ``weight`` and ``bias`` read
+    as the fused ones (rows q | k | v), differentiably."""
+
+    def __init__(self, fused: nn.Linear) -> None:
+        super().__init__()
+        if fused.out_features % 3:
+            raise ValueError(f"a fused qkv projection has 3·H·d outputs; got {fused.out_features}")
+        width = fused.out_features // 3
+        self.in_features, self.out_features = fused.in_features, fused.out_features
+        self.q, self.k, self.v = (nn.Linear(fused.in_features, width, bias=fused.bias is not None) for _ in range(3))
+        with torch.no_grad():
+            for i, part in enumerate((self.q, self.k, self.v)):
+                part.weight.copy_(fused.weight[i * width:(i + 1) * width])
+                if fused.bias is not None:
+                    part.bias.copy_(fused.bias[i * width:(i + 1) * width])
+
+    @property
+    def weight(self) -> torch.Tensor:  # (3·H·d, D)
+        return torch.cat([self.q.weight, self.k.weight, self.v.weight])
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        if self.q.bias is None:
+            return None
+        return torch.cat([self.q.bias, self.k.bias, self.v.bias])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class PatchLinear(nn.Module):
+    """A non-overlapping patch convolution (stride = kernel) as the Linear map it is, patch → token:
+    ``linear`` takes each flattened C·p·p patch to a D-dimensional token, and the output keeps the
+    convolution's (B, D, H/p, W/p) layout. Its σ₁ is the map's exact operator norm, so it can be
+    constrained like every other matrix."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        if tuple(conv.stride) != tuple(conv.kernel_size) or conv.padding not in ((0, 0), 0, "valid"):
+            raise ValueError(f"only a non-overlapping, unpadded patch convolution is a patch-wise linear map; got "
+                             f"kernel {conv.kernel_size}, stride {conv.stride}, padding {conv.padding}")
+        self.kernel_size = tuple(conv.kernel_size)
+        self.linear = nn.Linear(conv.in_channels * self.kernel_size[0] * self.kernel_size[1], conv.out_channels,
+                                bias=conv.bias is not None)
+        with torch.no_grad():
+            self.linear.weight.copy_(conv.weight.reshape(conv.out_channels, -1))
+            if conv.bias is not None:
+                self.linear.bias.copy_(conv.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        patches = nn.functional.unfold(x, self.kernel_size, stride=self.kernel_size)  # (B, C·p·p, L)
+        tokens = self.linear(patches.transpose(1, 2))  # (B, L, D)
+        return tokens.transpose(1, 2).reshape(b, -1, h // self.kernel_size[0], w // self.kernel_size[1])

@@ -56,6 +56,7 @@ class CrossShapedAttention(nn.Module):
         self.resolution = resolution
         self.fused_attn = True
         self.kernel: nn.Module | None = None
+        self.branch_divisor = 1.0  # each branch's output (attention + LePE) is divided by it
         if stripe_width is None or stripe_width >= resolution:
             self.stripes = [(resolution, resolution)]  # global attention
         else:
@@ -105,7 +106,7 @@ class CrossShapedAttention(nn.Module):
             attn = (q * self.scale) @ k.transpose(-2, -1)
             attn = self.attn_drop(attn.softmax(dim=-1))  # (B·nW, h, N, N)
             out = attn @ v
-        out = out.transpose(1, 2).reshape(-1, n, cb) + pos
+        out = (out.transpose(1, 2).reshape(-1, n, cb) + pos) / self.branch_divisor
         return from_stripes(out, sh, sw, h, w)
 
 

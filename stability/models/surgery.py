@@ -13,12 +13,13 @@ from timm.layers import Attention as TimmAttention
 from timm.models.swin_transformer import WindowAttention
 from torch import nn
 
-from .adapters import ConvexResidualBlock, KernelAttention, KernelWindowAttention
+from .adapters import ConvexResidualBlock, KernelAttention, KernelWindowAttention, PatchLinear, SplitQKV
 from .cswin import CrossShapedAttention
 from .view import attention_sites, residual_sites
 
 LinearChoice = Literal["all", "attention", "mlp", "hidden"]
 LINEAR_CHOICES = ("all", "attention", "mlp", "hidden")
+ROLES = ("embed", "qkv", "proj", "mlp", "head", "other")
 
 
 def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -56,12 +57,16 @@ def replace_activations(backbone: nn.Module, kind: type[nn.Module], make: Callab
     return count
 
 
-def use_convex_residuals(backbone: nn.Module) -> int:
-    """Wrap every transformer block in :class:`ConvexResidualBlock` with a = 1/(2N), N blocks
-    (Newhouse et al. 2025); returns N."""
+def use_convex_residuals(backbone: nn.Module, residual_scale: float = 1.0) -> int:
+    """Wrap every transformer block in :class:`ConvexResidualBlock` with a = residual_scale/(2N) for N
+    blocks (Newhouse et al. 2025; the reference's ``residual_scale``, default 1); returns N."""
     names = [site.name.rpartition(".")[0] for site in residual_sites(backbone)][::2]
+    a = residual_scale / (2 * len(names))
+    if not 0 < a <= 1:
+        raise ValueError(f"residual_scale {residual_scale} gives a = {a:g} for {len(names)} blocks; need 0 < a <= 1 "
+                         f"(residual_scale <= {2 * len(names)})")
     for name in names:
-        replace_submodule(backbone, name, ConvexResidualBlock(backbone.get_submodule(name), 1.0 / (2 * len(names))))
+        replace_submodule(backbone, name, ConvexResidualBlock(backbone.get_submodule(name), a))
     return len(names)
 
 
@@ -71,15 +76,67 @@ def is_head(name: str) -> bool:
 
 
 def linear_layers(network: nn.Module, which: LinearChoice = "all") -> list[nn.Linear]:
-    """The Linear layers ``which`` selects: ``all``; ``attention`` (qkv and output projections);
+    """The Linear layers ``which`` selects: ``all``; ``attention`` (qkv — or its q, k, v — and output projections);
     ``mlp`` (the MLPs' layers); ``hidden`` (every Linear but the classifier head)."""
     if which == "all":
         return [m for m in network.modules() if isinstance(m, nn.Linear)]
     if which == "hidden":
         return [m for name, m in network.named_modules() if isinstance(m, nn.Linear) and not is_head(name)]
     if which == "attention":
-        return [lin for site in attention_sites(network) for lin in (site.qkv, site.proj)]
+        return [lin for site in attention_sites(network) for module in (site.qkv, site.proj)
+                for lin in ((module.q, module.k, module.v) if isinstance(module, SplitQKV) else (module,))]
     if which == "mlp":
         return [m for name, mod in network.named_modules() if name.endswith("mlp")
                 for m in mod.modules() if isinstance(m, nn.Linear)]
     raise ValueError(f"layers must be one of {LINEAR_CHOICES}, got {which!r}")
+
+
+def split_qkv(backbone: nn.Module) -> int:
+    """Hold every attention module's fused qkv Linear as three Linear layers q, k, v
+    (:class:`SplitQKV`, same function); returns how many were split (already split ones are kept)."""
+    count = 0
+    for site in attention_sites(backbone):
+        if isinstance(site.module.qkv, nn.Linear):
+            site.module.qkv = SplitQKV(site.module.qkv)
+            count += 1
+    return count
+
+
+def linear_patch_embedding(backbone: nn.Module) -> PatchLinear:
+    """Make the patch embedding's convolution (``patch_embed.proj``, non-overlapping) a
+    :class:`PatchLinear`, the same map held as a Linear patch → token."""
+    embed = getattr(backbone, "patch_embed", None)
+    conv = getattr(embed, "proj", None)
+    if isinstance(conv, PatchLinear):
+        return conv
+    if not isinstance(conv, nn.Conv2d):
+        raise ValueError(f"{type(backbone).__name__} has no patch_embed.proj convolution to make linear")
+    embed.proj = PatchLinear(conv)
+    return embed.proj
+
+
+def remove_biases(network: nn.Module) -> int:
+    """Drop the bias of every Linear layer (the reference Lipschitz transformer has none); returns how many."""
+    count = 0
+    for module in network.modules():
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.register_parameter("bias", None)
+            count += 1
+    return count
+
+
+def linear_role(name: str) -> str:
+    """The part of the transformer a Linear layer (by dotted name) is: ``embed`` (patch embedding),
+    ``qkv`` (fused or split Q, K, V), ``proj`` (attention output W_O), ``mlp``, ``head`` or ``other``."""
+    parts = name.split(".")
+    if "patch_embed" in parts:
+        return "embed"
+    if "qkv" in parts:
+        return "qkv"
+    if "attn" in parts and parts[-1] == "proj":
+        return "proj"
+    if "mlp" in parts:
+        return "mlp"
+    if is_head(name):
+        return "head"
+    return "other"

@@ -28,8 +28,10 @@ QKV_PARTS = ("q", "k", "v")
 
 def is_attention(module: nn.Module) -> bool:
     """True for modules that follow the attention convention above."""
+    from .adapters import SplitQKV
+
     return (
-        isinstance(getattr(module, "qkv", None), nn.Linear)
+        isinstance(getattr(module, "qkv", None), (nn.Linear, SplitQKV))
         and isinstance(getattr(module, "proj", None), nn.Linear)
         and isinstance(getattr(module, "attn_drop", None), nn.Dropout)
         and hasattr(module, "num_heads")

@@ -70,11 +70,32 @@ def soft_cap_polynomial(sigma: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def hammer(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
-    """Spectral hammer: W ← W + (σ_max − σ₁) u₁v₁ᵀ in RMS units, when σ₁ > σ_max (sets σ₁ to σ_max)."""
+    """Spectral hammer: W ← W + (σ_max − σ₁) u₁v₁ᵀ in RMS units — the top singular value is *set* to
+    σ_max, raised when below it (Newhouse et al. 2025). The others are untouched, so one above σ_max
+    stays above it: the hammer was made for Adam's small steps, it is no cap."""
     scale = rms_scale(weight)
     u, s, vh = torch.linalg.svd(weight * scale, full_matrices=False)
-    excess = (sigma_max - s[..., 0]).clamp_max(0)  # 0 where σ₁ ≤ σ_max: untouched
-    return weight + excess[..., None, None] * (u[..., :, :1] @ vh[..., :1, :]) / scale
+    change = sigma_max - s[..., 0]
+    return weight + change[..., None, None] * (u[..., :, :1] @ vh[..., :1, :]) / scale
+
+
+def spectral_weight_decay(weight: torch.Tensor, strength: float) -> torch.Tensor:
+    """Spectral weight decay: W ← W − λ·σ₁u₁v₁ᵀ, the top singular value shrunk by (1 − λ) and nothing
+    else (the reference code's fifth method; per step, not scaled by the learning rate)."""
+    u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+    return weight - strength * s[..., :1, None] * (u[..., :, :1] @ vh[..., :1, :])
+
+
+@torch.no_grad()
+def orthogonal_rms_(weight: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Initialise in place to a random (semi-)orthogonal matrix scaled so that every RMS→RMS singular
+    value is 1, i.e. ‖W‖_RMS = 1 (the reference Lipschitz transformer's initialisation)."""
+    m, n = weight.shape
+    gaussian = torch.randn(max(m, n), min(m, n), generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    q = q * torch.sign(torch.diagonal(r))  # uniform over orthogonal matrices
+    q = q if m >= n else q.T
+    return weight.copy_(q * (m / n) ** 0.5)
 
 
 def normalise(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:

@@ -79,17 +79,19 @@ def conv_operator_norm(conv: torch.nn.Conv2d, input_shape: tuple[int, ...], iter
 
 
 @torch.no_grad()
-def spectral_init_(module: torch.nn.Module, conv_input_shapes: dict[torch.nn.Module, tuple] | None = None) -> None:
+def spectral_init_(module: torch.nn.Module, conv_input_shapes: dict[torch.nn.Module, tuple] | None = None,
+                   zero_conv_bias: bool = True) -> None:
     """LipsFormer's spectral initialisation: Xavier-normal, then divide by σ₁ so that σ₁ = 1.
 
     Linear weights use σ₁ of the matrix; conv kernels σ₁ of the kernel reshaped to
     (out, in·kh·kw) as the reference code does, or, for convs in ``conv_input_shapes``, the true
-    operator norm on inputs of that shape."""
+    operator norm on inputs of that shape. Linear biases are zeroed; conv biases too unless
+    ``zero_conv_bias`` is False (the reference code leaves them at their default initialisation)."""
     conv_input_shapes = conv_input_shapes or {}
     for m in module.modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
             torch.nn.init.xavier_normal_(m.weight)
-            if m.bias is not None:
+            if m.bias is not None and (isinstance(m, torch.nn.Linear) or zero_conv_bias):
                 torch.nn.init.zeros_(m.bias)
             if isinstance(m, torch.nn.Conv2d) and m in conv_input_shapes:
                 sigma = conv_operator_norm(m, conv_input_shapes[m])

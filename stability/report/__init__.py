@@ -65,7 +65,9 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
                "whose clean accuracy is `clean (attack subset)` (`clean (AutoAttack subset)` where AutoAttack ran "
                "on fewer); `cert norm_ε`: certified accuracy from the model's certified Lipschitz bound; "
                "`Lip local`: power-iteration estimate of ‖J_f(x)‖₂ per point (a local estimate, never a "
-               "certificate); `certified log10`: log10 of the certified global bound where the model has one; "
+               "certificate); `certified log10`: log10 of the certified global bound where the model has one, "
+               "`tightness` that bound over the largest local estimate; `paper bound log10`: the Lipschitz "
+               "transformer's bound as its paper composes it (per-token RMS norms; it certifies nothing in pixels); "
                "`task loss`: last epoch's training objective; `s/epoch`: training steps only. Distributions are "
                "drawn from TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
              table(configurations), ""]

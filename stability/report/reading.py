@@ -94,6 +94,8 @@ class RunRecord:
             "Lip local mean": self.lipschitz("local_mean"),
             "Lip local max": self.lipschitz("local_max"),
             "certified log10": self.lipschitz("certified_log10"),
+            "tightness": self.lipschitz("certified_tightness"),
+            "paper bound log10": self.lipschitz("paper_bound_log10"),
             "task loss": self.last(tags.per_epoch(tags.TASK_LOSS)),
             "s/epoch": statistics.fmean(times) if times else None,
         }

@@ -6,16 +6,23 @@ calls, for each selected stabilizer, in the order given:
 1. ``prepare(network)`` once, when the module is built (before a checkpoint is loaded, so
    that a changed architecture — CenterNorm, cosine attention, weighted residuals — has
    the matching state dict), to swap modules or re-initialise weights; stabilizers with
-   ``prepare_order = 0`` (those that swap modules) go first;
-2. ``loss(step)`` on every training forward pass, returning a term added to the task
+   ``prepare_order = 0`` (those that swap modules) go first, constraints (2) last;
+2. ``task_loss(step, default)`` on every training forward pass, to replace the task loss (the
+   objective actually optimised, e.g. a margin loss): ``default(logits)`` is the module's
+   cross-entropy; at most one selected stabilizer may return one (None: keep the default);
+3. ``loss(step)`` on every training forward pass, returning a term added to the task
    loss (logged as ``loss/<name>``) or None; ``needs_attention_probs = True`` makes the
    module record the attention probabilities for it (the fused path stays on otherwise);
-3. ``build_optimizer(network, default)`` once, to supply an optimizer instead of the
+4. ``build_optimizer(network, default)`` once, to supply an optimizer instead of the
    default one (at most one selected stabilizer may do so); ``default(named_parameters)``
    builds the module's default optimizer, with its settings, over the parameters given;
-4. ``after_optimizer_step(network)`` after every optimizer step, to project weights;
-5. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound, where the
-   method has one (None otherwise — never a made-up number).
+5. ``after_optimizer_step(network)`` after every optimizer step, to project weights;
+   ``constrained_parameters(network)`` names the parameters it keeps norm-bounded that way — a
+   stabilizer with ``wants_constrained_network`` makes the run list every parameter no one does;
+6. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound (a number or a
+   :class:`~stability.lipschitz.certified.Bound`), where the method has one (None otherwise —
+   never a made-up number); ``labelled_bounds(network)`` for other bounds worth logging beside it
+   that certify nothing in pixel space (e.g. a paper's own bound, in its own norms).
 
 A new method is one file in this package: a subclass with ``name``, ``summary`` and ``source``,
 decorated with :func:`register_stabilizer`. The package imports every module in it, so the
@@ -67,14 +74,21 @@ class Stabilizer:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line: what it does (the docs table)
     source: ClassVar[str] = ""  # where it comes from (paper, year)
+    needs: ClassVar[tuple[str, ...]] = ()  # stabilizers it only works beside (e.g. a certified bound's)
+    backbones: ClassVar[tuple[str, ...]] = ("vit", "swin", "cswin")  # where it applies
     # prepare() runs in this order (stable within a level): 0 for stabilizers that swap modules,
     # so that the others (which attach buffers or parametrisations) see the final architecture.
     prepare_order: ClassVar[int] = 1
     needs_attention_probs: bool = False  # a class or an instance attribute
     needs_queries_keys: bool = False  # (q, k, scale) of every attention call, fused path kept (ViT)
+    wants_constrained_network: bool = False  # the run lists the parameters no stabilizer constrains
 
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""
+
+    def task_loss(self, step: ForwardStep, default: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """The objective to optimise instead of ``default(step.logits)`` (the module's cross-entropy), or None."""
+        return None
 
     def loss(self, step: ForwardStep) -> torch.Tensor | None:
         """A scalar term added to the task loss, or None."""
@@ -92,9 +106,18 @@ class Stabilizer:
     def after_optimizer_step(self, network: nn.Module) -> None:
         """Project weights after each optimizer step."""
 
-    def lipschitz_bound(self, network: nn.Module) -> float | None:
-        """A certified global ℓ2 Lipschitz upper bound of the network, or None where none exists."""
+    def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+        """The parameters whose norm this stabilizer bounds after every step."""
+        return []
+
+    def lipschitz_bound(self, network: nn.Module):
+        """A certified global ℓ2 Lipschitz upper bound of pixels → logits (a float or a
+        :class:`~stability.lipschitz.certified.Bound`), or None where none exists."""
         return None
+
+    def labelled_bounds(self, network: nn.Module) -> dict[str, float]:
+        """Other bounds to log beside the certified one, ``{name: value}`` (they certify nothing)."""
+        return {}
 
     def hparams(self) -> dict:
         """The options of this stabilizer, for logging (``vars(self)`` of plain values by default)."""

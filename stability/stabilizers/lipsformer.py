@@ -7,7 +7,10 @@
 * ``weighted_residual``: x + α ⊙ f(x) with a learnable per-channel α, initialised to ``alpha``
   or, when None, to 1/L for L transformer blocks;
 * ``spectral_init``: Xavier-normal then divide by σ₁ (reshaped conv kernels, or the true conv
-  operator norm with ``conv_operator_norm``);
+  operator norm with ``conv_operator_norm``); conv biases zeroed, or left at their default
+  initialisation as the reference code does (``conv_bias_init: default``);
+* ``branch_scale`` (CSwin, the reference code): each stripe branch's output, attention + LePE, is
+  divided by √(heads in the branch);
 * ``drop_path``: stochastic depth rising linearly to this rate over the blocks (0 leaves the
   backbone's own).
 
@@ -23,6 +26,7 @@ from timm.layers import DropPath
 from torch import nn
 
 from ..models import attention_sites, norm_sites, replace_attention_kernel, residual_sites
+from ..models.cswin import CrossShapedAttention
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import ScaledCosineKernel
 from ..nn.spectral import spectral_init_
@@ -53,11 +57,14 @@ class LipsFormer(Stabilizer):
                  tau: float = 10.0, nu: float = 1.0, eps: float = 1e-6, learn_scales: bool = True,
                  normalize_v: bool = True, head_scale: bool = True, weighted_residual: bool = True,
                  alpha: float | None = None, spectral_init: bool = True, conv_operator_norm: bool = False,
+                 conv_bias_init: Literal["zeros", "default"] = "zeros", branch_scale: bool = False,
                  drop_path: float = 0.0) -> None:
         if attention not in ("cosine", "dot"):
             raise ValueError(f"lipsformer: attention must be 'cosine' or 'dot', got {attention!r}")
         if eps <= 0:
             raise ValueError(f"lipsformer: eps must be > 0 (eps = 0 has no Lipschitz bound), got {eps}")
+        if conv_bias_init not in ("zeros", "default"):
+            raise ValueError(f"lipsformer: conv_bias_init must be 'zeros' or 'default', got {conv_bias_init!r}")
         if not 0 <= drop_path < 1:
             raise ValueError(f"lipsformer: drop_path must be in [0, 1), got {drop_path}")
         self.center_norm, self.attention = center_norm, attention
@@ -65,6 +72,7 @@ class LipsFormer(Stabilizer):
         self.learn_scales, self.normalize_v, self.head_scale = learn_scales, normalize_v, head_scale
         self.weighted_residual, self.alpha = weighted_residual, alpha
         self.spectral_init, self.conv_operator_norm = spectral_init, conv_operator_norm
+        self.conv_bias_init, self.branch_scale = conv_bias_init, branch_scale
         self.drop_path = drop_path
 
     def prepare(self, network: nn.Module) -> None:
@@ -75,6 +83,10 @@ class LipsFormer(Stabilizer):
         if self.attention == "cosine":
             for site in attention_sites(backbone):
                 self._use_cosine_attention(backbone, site.name, site.module)
+        if self.branch_scale:
+            for site in attention_sites(backbone):
+                if isinstance(site.module, CrossShapedAttention):  # (attention + LePE) / √(heads of the branch)
+                    site.module.branch_divisor = (site.num_heads // len(site.module.stripes)) ** 0.5
         residuals = residual_sites(backbone)
         blocks = len(residuals) // 2
         if self.drop_path > 0:
@@ -86,7 +98,8 @@ class LipsFormer(Stabilizer):
             for site in residuals:
                 site.scale_branch(ResidualScale(site.dim, init))
         if self.spectral_init:
-            spectral_init_(backbone, self._conv_input_shapes(network) if self.conv_operator_norm else None)
+            spectral_init_(backbone, self._conv_input_shapes(network) if self.conv_operator_norm else None,
+                           zero_conv_bias=self.conv_bias_init == "zeros")
 
     def lipschitz_bound(self, network: nn.Module) -> float | None:
         """Certified bound by composition (ViT with every component on; see stability.lipschitz.certified)."""

@@ -7,8 +7,13 @@ Two ways, chosen with ``mode``:
   forward, on persistent vectors). The effective weight has σ₁ = σ_max (up to the power
   iteration's error), not merely ≤; the raw parameter is unconstrained.
 * ``project``: after every optimizer step, W ← W / max(1, σ₁(W)/σ_max) with the exact σ₁
-  (SVD). The parameter itself satisfies σ₁ ≤ σ_max at every step; weights already below the
-  cap are left alone.
+  (top eigenvalue of the smaller Gram matrix, float64). The parameter itself satisfies
+  σ₁ ≤ σ_max at every step; weights already below the cap are left alone. The exact σ₁ is only
+  computed for weights that may be above the cap: each weight keeps a certified upper bound
+  b ≥ σ₁, its exact σ₁ when last computed plus ‖ΔW‖_F of every step since (σ₁(W + ΔW) ≤ σ₁(W) +
+  σ₁(ΔW) ≤ σ₁(W) + ‖ΔW‖_F); where b ≤ σ_max the projection is the identity and nothing is computed.
+  (Useful while weights are below the cap with small steps; a weight at the cap is computed
+  exactly every step.)
 
 ``layers`` picks the weights: ``all`` (every Linear of the backbone, the classifier head
 included), ``attention`` (qkv and output projections) or ``mlp``. Convolutions (patch
@@ -81,7 +86,20 @@ class SpectralNorm(Stabilizer):
         weights = [linear.weight for linear in linear_layers(network, self.layers)]
         if not weights:
             return
-        factors = (self.sigma_max / spectral_norms(weights)).clamp_max(1.0)  # exact σ₁, batched per shape
-        for weight, factor in zip(weights, factors.tolist()):
-            if factor < 1.0:
-                weight.mul_(factor)
+        previous = getattr(self, "_previous", None)
+        if previous is None or len(previous) != len(weights) or any(
+                p.shape != w.shape or p.device != w.device for p, w in zip(previous, weights)):
+            bounds = torch.full((len(weights),), float("inf"), dtype=torch.float64)  # unknown: compute all
+        else:
+            steps = torch.stack([(w - p).double().norm() for w, p in zip(weights, previous)]).cpu()
+            bounds = self._bounds + steps * (1 + 1e-12)
+        unsure = [i for i, b in enumerate(bounds.tolist()) if b > self.sigma_max]
+        if unsure:
+            sigmas = spectral_norms([weights[i] for i in unsure])  # exact σ₁, batched per shape
+            for i, sigma in zip(unsure, sigmas.tolist()):
+                if sigma > self.sigma_max:
+                    weights[i].mul_(self.sigma_max / sigma)
+                bounds[i] = min(sigma, self.sigma_max)
+        self._bounds = bounds
+        self._previous = [w.detach().clone() for w in weights]
+        self.exact_computations = getattr(self, "exact_computations", 0) + len(unsure)

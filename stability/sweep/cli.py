@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .. import exit_codes
-from .emit import write_commands, write_slurm_array
+from .emit import write_commands
 from .runner import Sweep, run_status
 from .spec import load_spec
 
@@ -24,10 +24,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", help="comma-separated GPU ids, one per concurrent run (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--only", action="append", help="run only this run name (repeat); used by emitted commands")
     p.add_argument("--dry_run", action="store_true", help="list the runs and their status, run nothing")
-    p.add_argument("--emit", choices=("commands", "slurm"),
-                   help="write one command per run (commands.txt) or a SLURM job-array script, run nothing")
-    p.add_argument("--slurm_option", action="append", default=[],
-                   help='extra "#SBATCH" line for --emit slurm, e.g. --slurm_option=--gres=gpu:1 (repeat)')
+    p.add_argument("--emit", choices=("commands",),
+                   help="write one `stability sweep FILE --only RUN` line per run (commands.txt), run nothing")
+    cluster = p.add_argument_group("submitting to a cluster (submitit)")
+    cluster.add_argument("--submit", choices=("slurm", "local"),
+                         help="submit one job per run instead of running here: a SLURM job array, or local "
+                              "processes; preempted or timed-out jobs are requeued and resume")
+    cluster.add_argument("--timeout_min", type=int, default=240, help="time limit of each job (minutes)")
+    cluster.add_argument("--array_parallelism", type=int, default=16, help="jobs of the array running at once")
+    cluster.add_argument("--gpus_per_node", type=int, default=0, help="GPUs per job")
+    cluster.add_argument("--cpus_per_task", type=int, default=None, help="CPUs per job")
+    cluster.add_argument("--partition", help="SLURM partition")
+    cluster.add_argument("--slurm_option", action="append", default=[], metavar="KEY=VALUE",
+                         help="any other sbatch option, e.g. --slurm_option=account=myproject (repeat)")
     return p
 
 
@@ -39,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = Sweep(spec, args.sweeps_dir, args.workers if not devices else max(args.workers, len(devices)),
                       devices)
         runs = sweep.select(args.only)
+        slurm_options = dict(_key_value(o) for o in args.slurm_option)
     except (ValueError, FileNotFoundError) as err:
         print(f"stability sweep: error: {err}", file=sys.stderr)
         return exit_codes.BAD_INPUT
@@ -48,10 +58,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{done['status'] if done else 'pending':10s} {run.name}")
         return 0
     if args.emit:
-        spec_path = sweep.write_spec()
-        path = (write_commands(sweep.root, runs, spec_path) if args.emit == "commands"
-                else write_slurm_array(sweep.root, spec.name, runs, spec_path, args.slurm_option))
-        print(f"wrote {path} ({len(runs)} runs)" + (f"; submit with: sbatch {path}" if args.emit == "slurm" else ""))
+        path = write_commands(sweep.root, runs, sweep.write_spec())
+        print(f"wrote {path} ({len(runs)} runs)")
+        return 0
+    if args.submit:
+        from .submit import submit
+
+        jobs = submit(sweep, runs, args.submit, args.sweeps_dir, timeout_min=args.timeout_min,
+                      array_parallelism=args.array_parallelism, gpus_per_node=args.gpus_per_node,
+                      cpus_per_task=args.cpus_per_task, partition=args.partition, slurm_options=slurm_options)
+        print(f"submitted {len(jobs)} jobs ({args.submit}): {', '.join(j.job_id for j in jobs)}; logs in "
+              f"{sweep.root / 'submitit'}; rerun `stability sweep {args.spec or '...'} --dry_run` to follow them")
         return 0
     try:
         statuses = sweep.execute(runs)
@@ -62,3 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     counts = {s: sum(v == s for v in statuses.values()) for s in sorted(set(statuses.values()))}
     print(f"sweep {spec.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f" — in {sweep.root}")
     return 1 if counts.get("failed") else 0
+
+
+def _key_value(option: str) -> tuple[str, str]:
+    key, sep, value = option.lstrip("-").partition("=")
+    if not sep or not key:
+        raise ValueError(f"--slurm_option takes KEY=VALUE (an sbatch option without its dashes); got {option!r}")
+    return key, value

@@ -1,5 +1,10 @@
 """Running a sweep on this machine: one ``stability fit`` subprocess per run in its own directory,
-``--workers`` at a time (one GPU each with ``--devices``), resumable, stopped cleanly on SIGTERM."""
+``--workers`` at a time (one GPU each with ``--devices``), stopped cleanly on SIGTERM.
+
+Rerunning a sweep skips complete runs (``done.json``); a run that was interrupted after writing a
+checkpoint resumes from its ``checkpoints/last.ckpt`` (Lightning's ``ckpt_path``) in the same
+directory, and ends with the numbers an uninterrupted run of the same seed gives; one interrupted
+before any checkpoint is moved aside to ``.interrupted/`` and run again from the start."""
 from __future__ import annotations
 
 import json
@@ -62,8 +67,9 @@ class Sweep:
             runs = [r for r in runs if r.name in only]
         return runs
 
-    def execute(self, runs: list[Run]) -> dict[str, str]:
-        """Run what is not complete; returns {run name: status}. Stops its children if interrupted."""
+    def execute(self, runs: list[Run], handle_sigterm: bool = True) -> dict[str, str]:
+        """Run what is not complete; returns {run name: status}. Stops its children if interrupted
+        (on SIGTERM too, unless ``handle_sigterm`` is False: a submitit job leaves signals to submitit)."""
         self.write_spec()
         statuses: dict[str, str] = {}
         pending = []
@@ -76,7 +82,8 @@ class Sweep:
                 pending.append(run)
         self._say(f"sweep {self.spec.name}: {len(runs)} runs, {len(runs) - len(pending)} already complete, "
                   f"{len(pending)} to run in {self.root}")
-        previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if handle_sigterm and main_thread else None
         if previous is not None:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
@@ -95,6 +102,11 @@ class Sweep:
     def _on_sigterm(self, signum, frame) -> None:
         raise KeyboardInterrupt("SIGTERM")
 
+    def stop(self) -> None:
+        """Stop every running ``stability fit`` (their last checkpoints stay: a rerun resumes them)."""
+        self._stopping = True
+        self._stop_children()
+
     def _stop_children(self) -> None:
         with self._lock:
             children = list(self._children)
@@ -110,26 +122,32 @@ class Sweep:
         if self._stopping:
             return "not started"
         run_dir = self.run_dir(run)
-        if run_dir.exists():  # an unfinished or failed attempt: keep it aside, start clean
+        checkpoint = resume_checkpoint(run_dir)
+        if run_dir.exists() and checkpoint is None:  # interrupted before any checkpoint: keep it aside, start clean
             aside = self.root / ".interrupted"
             aside.mkdir(exist_ok=True)
             attempt = len(list(aside.glob(f"{glob_escape(run.name)}.*")))
             shutil.move(str(run_dir), str(aside / f"{run.name}.{attempt}"))
-        run_dir.mkdir(parents=True)
-        cmd = self.spec.command(run, run_dir)
-        (run_dir / "sweep_run.json").write_text(json.dumps({
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = self.spec.command(run, run_dir) + ([f"--ckpt_path={checkpoint}"] if checkpoint else [])
+        record_path = run_dir / "sweep_run.json"
+        resumed = json.loads(record_path.read_text()).get("resumed", []) if record_path.is_file() else []
+        if checkpoint is not None:
+            resumed.append({"from": str(checkpoint), "at": time.strftime("%Y-%m-%d %H:%M:%S")})
+        record_path.write_text(json.dumps({
             "sweep": self.spec.name, "run": run.name, "configuration": run.configuration,
-            "overrides": dict(run.overrides), "seed": run.seed, "command": cmd}, indent=1) + "\n")
+            "overrides": dict(run.overrides), "seed": run.seed, "command": cmd, "resumed": resumed}, indent=1) + "\n")
         env = dict(os.environ)
         device = self._free_devices.get() if self.devices else None
         if device is not None:
             env["CUDA_VISIBLE_DEVICES"] = device
         elif self.workers > 1:  # share the CPU cores instead of oversubscribing them
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
-        self._say(f"[start] {run.name}" + (f" on device {device}" if device is not None else ""))
+        verb = "resume" if checkpoint is not None else "start"
+        self._say(f"[{verb}] {run.name}" + (f" on device {device}" if device is not None else ""))
         started = time.time()
         try:
-            with open(run_dir / "run.log", "w") as log:
+            with open(run_dir / "run.log", "a" if checkpoint is not None else "w") as log:
                 child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
                 with self._lock:
                     self._children.add(child)
@@ -157,6 +175,12 @@ class Sweep:
     def _say(self, line: str) -> None:
         with self._lock:
             print(line, file=self.stream, flush=True)
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint an unfinished run resumes from: its ``checkpoints/last.ckpt``, if any."""
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    return checkpoint if run_status(run_dir) is None and checkpoint.is_file() else None
 
 
 def glob_escape(name: str) -> str:

@@ -51,6 +51,7 @@ class Spec:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "sweep file") -> Spec:
+        raw = {k: v for k, v in raw.items() if not str(k).startswith("x-")}  # YAML anchors' holders
         unknown = set(raw) - SPEC_KEYS
         if unknown:
             raise ValueError(f"{source}: unknown keys {sorted(unknown)}; valid keys: {sorted(SPEC_KEYS)}")

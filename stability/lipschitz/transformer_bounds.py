@@ -1,0 +1,202 @@
+"""The two Lipschitz bounds of Newhouse et al.'s Lipschitz transformer on the ViT backbone
+(docs/methods.md#lipschitz-transformer), composed from the measured weights.
+
+Architecture: no norms, convex residuals x ← (1−a)x + a·f(x), heads (1/3)·W_O·softmax(c·QKᵀ)·V with
+c = s/d, GELU/1.1289. Dot-product attention is Lipschitz only on bounded inputs, so both bounds
+propagate a bound r on the size of every token from the pixel box [0, 1]ⁿ, layer by layer.
+
+**Pixel-space bound** (:func:`pixel_bound`, certifies): ℓ2 over the whole input image → ℓ2 of the
+logits, tokens measured in ℓ2 (‖x_i‖ ≤ r). For one head on {X : ‖x_i‖ ≤ r}, with r_• = ‖W_•‖r + ‖b_•‖,
+
+    d(PV) = P·dV + dP·V,  ‖P·dV‖_F ≤ √N‖W_V‖‖dX‖_F          (‖P‖₂ ≤ √N for a row-stochastic P)
+    (dP·V)_i = Cov_{P_i}(u, V) with u = c(dq_i Kᵀ + q_i dKᵀ),
+    ‖Cov_p(u, V)‖ ≤ √Var_p(u)·√(E_p‖v − v̄‖²) ≤ ‖u‖_∞·r_v,  ‖u‖_∞ ≤ c(r_k‖dq_i‖ + r_q max_j‖dk_j‖)
+
+and Minkowski over the rows gives
+
+    Lip_h ≤ √N‖W_V‖ + c·r_v·(r_k‖W_Q‖ + √N·r_q‖W_K‖).
+
+Heads are combined through W_O as (1/3)·min(‖W_O‖·√Σ_h Lip_h², Σ_h ‖W_O^h‖·Lip_h) (W_O^h: the
+columns of head h); the MLP as ‖W₂‖·‖W₁‖; a block as (1 − a) + a·Lip(f). Token sizes: the
+embedding ‖W_e‖·max‖patch‖ + max‖b_e + pos_i‖ (and ‖cls + pos_0‖); attention output
+(1/3)·min(‖W_O‖√Σ r_v², Σ‖W_O^h‖r_v) + ‖b_O‖ (each head's output is a convex combination of value
+rows); MLP ‖W₂‖(‖W₁‖r + ‖b₁‖) + ‖b₂‖. Class-token pooling is 1-Lipschitz, mean pooling 1/√N.
+
+**Paper's bound** (:func:`paper_bound`, for comparison with its figures, certifies nothing in
+pixel space): the composition of Newhouse et al. in RMS→RMS norms ‖W‖ = √(d_in/d_out)·σ₁ over
+per-token RMS sizes, from the embedded tokens to the logits:
+L_att = (1/3)‖W_O‖‖W_V‖(1 + 2s·r²‖W_Q‖‖W_K‖), L_mlp = ‖W₂‖‖W₁‖, a block (1 − a) + a·L, the head
+‖W_head‖; r propagated as above in RMS units (from the patch embedding of the pixel box).
+
+``differentiable=True`` keeps the graph through the σ₁'s (for the Lipschitz-margin loss).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from ..models import AttentionSite, ConvexResidualBlock, PatchLinear
+from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, ScaledGELU
+
+Norm = Callable[[torch.Tensor], torch.Tensor]
+
+
+class NotALipschitzTransformer(Exception):
+    """The network is not the Lipschitz-transformer ViT these bounds are for."""
+
+
+def _sigma(differentiable: bool) -> Norm:
+    def sigma(weight: torch.Tensor) -> torch.Tensor:
+        w = weight if differentiable else weight.detach()
+        return torch.linalg.matrix_norm(w.double().reshape(w.shape[0], -1), ord=2)
+    return sigma
+
+
+def _size(t: torch.Tensor | None, differentiable: bool) -> torch.Tensor:
+    if t is None:
+        return torch.zeros((), dtype=torch.float64)
+    return (t if differentiable else t.detach()).double().norm()
+
+
+def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d, list[ConvexResidualBlock]]:
+    backbone = network.backbone
+    if not isinstance(backbone, VisionTransformer):
+        raise NotALipschitzTransformer(f"the bounds are implemented for the ViT backbone, not "
+                                       f"{type(backbone).__name__}")
+    proj = backbone.patch_embed.proj
+    embed = proj.linear if isinstance(proj, PatchLinear) else proj
+    if isinstance(proj, nn.Conv2d) and tuple(proj.stride) != tuple(proj.kernel_size):
+        raise NotALipschitzTransformer("overlapping patch embedding")
+    if not isinstance(backbone.patch_embed.norm, nn.Identity):
+        raise NotALipschitzTransformer("a norm in the patch embedding")
+    for norm in (backbone.norm, backbone.fc_norm):
+        if not isinstance(norm, nn.Identity):
+            raise NotALipschitzTransformer(f"a final {type(norm).__name__} (LayerNorm has no global bound)")
+    blocks = list(backbone.blocks)
+    for wrapper in blocks:
+        if not isinstance(wrapper, ConvexResidualBlock):
+            raise NotALipschitzTransformer("a block without the convex residual")
+        block = wrapper.block
+        if not isinstance(getattr(block.attn, "kernel", None), LipschitzDotKernel):
+            raise NotALipschitzTransformer("attention other than the Lipschitz transformer's dot-product kernel")
+        if not (isinstance(block.norm1, nn.Identity) and isinstance(block.norm2, nn.Identity)):
+            raise NotALipschitzTransformer("a LayerNorm inside a block (it has no global bound)")
+        if not isinstance(block.mlp.act, (ScaledGELU, nn.GELU, nn.ReLU)):
+            raise NotALipschitzTransformer(f"activation {type(block.mlp.act).__name__}")
+    if not isinstance(backbone.head, nn.Linear):
+        raise NotALipschitzTransformer("the classifier head is not a Linear layer")
+    return backbone, embed, blocks
+
+
+def _patch_size(backbone: VisionTransformer) -> tuple[int, int]:
+    proj = backbone.patch_embed.proj
+    return tuple(proj.kernel_size)
+
+
+def _largest_patch(network: nn.Module, backbone: VisionTransformer) -> torch.Tensor:
+    """The largest ℓ2 norm of a normalised patch of an image in [0, 1]ⁿ."""
+    mean, std = network.mean.flatten().double(), network.std.flatten().double()
+    pixel = torch.maximum(mean, 1 - mean) / std  # largest |normalised pixel| per channel
+    kh, kw = _patch_size(backbone)
+    return (pixel.pow(2) * kh * kw).sum().sqrt()
+
+
+def _token_size(backbone: VisionTransformer, embed, patch: torch.Tensor, sigma: Norm, differentiable: bool,
+                per_token: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """max over tokens of the size of an embedded token (``per_token`` measures a vector's size)."""
+    pos = backbone.pos_embed[0] if backbone.pos_embed is not None else None
+    pos = None if pos is None else (pos if differentiable else pos.detach()).double()
+    prefix = backbone.num_prefix_tokens
+    bias = embed.bias
+    bias = torch.zeros(embed.weight.shape[0], dtype=torch.float64) if bias is None else (
+        bias if differentiable else bias.detach()).double()
+    shifts = bias + pos[prefix:] if pos is not None else bias[None]
+    size = sigma(embed.weight) * patch + per_token(shifts).max()
+    if prefix:
+        cls = (backbone.cls_token if differentiable else backbone.cls_token.detach()).double()[0, 0]
+        if pos is not None and not backbone.no_embed_class:
+            cls = cls + pos[0]
+        size = torch.maximum(size, per_token(cls[None]).max())
+    return size
+
+
+def _head_rows(attn: nn.Module, part: str, h: int) -> slice:
+    return AttentionSite("", attn).head_rows(part, h)
+
+
+def pixel_bound(network: nn.Module, differentiable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bound of pixels → logits, bound of pixels → the head's input), ℓ2, on [0, 1]ⁿ (module docstring)."""
+    backbone, embed, blocks = _parts(network)
+    sigma = _sigma(differentiable)
+    tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+    r = _token_size(backbone, embed, _largest_patch(network, backbone), sigma, differentiable,
+                    lambda t: t.norm(dim=-1))
+    bound = sigma(embed.weight) / network.std.double().min()
+    for wrapper in blocks:
+        block, a = wrapper.block, wrapper.a
+        attn = block.attn
+        c = attn.kernel.s / attn.head_dim
+        weight, bias = attn.qkv.weight, attn.qkv.bias
+        w_o = attn.proj.weight
+        heads, values, w_o_heads = [], [], []
+        for h in range(attn.num_heads):
+            w_q, w_k, w_v = (sigma(weight[_head_rows(attn, p, h)]) for p in "qkv")
+            b_q, b_k, b_v = (_size(None if bias is None else bias[_head_rows(attn, p, h)], differentiable)
+                             for p in "qkv")
+            r_q, r_k, r_v = w_q * r + b_q, w_k * r + b_k, w_v * r + b_v
+            heads.append(math.sqrt(tokens) * w_v + c * r_v * (r_k * w_q + math.sqrt(tokens) * r_q * w_k))
+            values.append(r_v)
+            width = attn.head_dim
+            w_o_heads.append(sigma(w_o[:, h * width:(h + 1) * width]))
+        heads, values, w_o_heads = torch.stack(heads), torch.stack(values), torch.stack(w_o_heads)
+        whole = sigma(w_o)
+        lip_att = torch.minimum(whole * heads.pow(2).sum().sqrt(), (w_o_heads * heads).sum()) / 3
+        r_att = torch.minimum(whole * values.pow(2).sum().sqrt(), (w_o_heads * values).sum()) / 3 \
+            + _size(attn.proj.bias, differentiable)
+        bound = bound * ((1 - a) + a * lip_att)
+        r = (1 - a) * r + a * r_att
+        mlp = block.mlp
+        act = 1.0 if isinstance(mlp.act, (ScaledGELU, nn.ReLU)) else GELU_LIPSCHITZ
+        w_1, w_2 = sigma(mlp.fc1.weight), sigma(mlp.fc2.weight)
+        bound = bound * ((1 - a) + a * w_2 * act * w_1)
+        r_mlp = w_2 * act * (w_1 * r + _size(mlp.fc1.bias, differentiable)) + _size(mlp.fc2.bias, differentiable)
+        r = (1 - a) * r + a * r_mlp
+    if backbone.global_pool == "avg":
+        bound = bound / math.sqrt(backbone.patch_embed.num_patches)
+    return bound * sigma(backbone.head.weight), bound
+
+
+def paper_bound(network: nn.Module) -> float:
+    """Newhouse et al.'s composition in RMS→RMS norms over per-token RMS sizes, embedded tokens →
+    logits (module docstring). Comparable with the paper's figures; it certifies nothing in pixels."""
+    backbone, embed, blocks = _parts(network)
+    sigma = _sigma(False)
+
+    def rms(weight: torch.Tensor) -> torch.Tensor:  # ‖W‖_RMS→RMS = √(d_in/d_out)·σ₁
+        w = weight.reshape(weight.shape[0], -1)
+        return sigma(w) * math.sqrt(w.shape[1] / w.shape[0])
+
+    d_patch = embed.weight.reshape(embed.weight.shape[0], -1).shape[1]
+    patch_rms = _largest_patch(network, backbone) / math.sqrt(d_patch)
+    width = embed.weight.shape[0]
+    r = _token_size(backbone, embed, patch_rms, rms, False,
+                    lambda t: t.norm(dim=-1) / math.sqrt(width))  # ‖W_e‖_RMS·RMS(patch) + RMS(pos)
+    bound = torch.ones((), dtype=torch.float64)
+    for wrapper in blocks:
+        block, a = wrapper.block, wrapper.a
+        attn, s = block.attn, block.attn.kernel.s
+        weight = attn.qkv.weight
+        width_qkv = weight.shape[0] // 3
+        w_q, w_k, w_v = (rms(weight[i * width_qkv:(i + 1) * width_qkv]) for i in range(3))
+        w_o = rms(attn.proj.weight)
+        lip_att = w_o * w_v * (1 + 2 * s * r * r * w_q * w_k) / 3
+        bound = bound * ((1 - a) + a * lip_att)
+        r = (1 - a) * r + a * w_o * w_v * r / 3
+        lip_mlp = rms(block.mlp.fc2.weight) * rms(block.mlp.fc1.weight)
+        bound = bound * ((1 - a) + a * lip_mlp)
+        r = (1 - a) * r + a * lip_mlp * r
+    return float(bound * rms(backbone.head.weight))

@@ -1,0 +1,128 @@
+"""The Lipschitz transformer of Newhouse et al. 2025, "Training Transformers with Enforced Lipschitz
+Constants" (docs/methods.md#lipschitz-transformer): the architecture for which a finite global bound
+exists, its initialisation, its two bounds, and the constraints on what the weight constraints of
+``muon`` do not cover.
+
+* no LayerNorm (Identity); convex residuals x ← (1 − a)x + a·f(x), a = residual_scale/(2N) for N blocks;
+  attention (1/3)·W_O·softmax(s·QKᵀ/d)·V (1/d, not 1/√d); GELU/1.1289 (1-Lipschitz); DropPath bypassed;
+* every matrix a Linear that ``muon --muon.layers all`` constrains: the patch embedding as the linear
+  map patch → token (non-overlapping patches), Q, K and V apart, W_O, the MLP and the head;
+* biases off (``biases``); positional embedding and class token kept at per-token RMS ≤ ``token_rms``
+  after every step (the reference bounds its embedding columns the same way);
+* the reference's initialisation: every matrix orthogonal with RMS→RMS norm 1 (``orthogonal_init``),
+  W_O, the MLP output and the head zero (``zero_init``).
+
+The run lists every parameter left without a norm constraint (a bias when ``biases: true``; every
+matrix when ``muon`` is not selected). Bounds: the certified pixel-space bound on [0, 1]ⁿ
+(``lipschitz/certified_log10``) and the paper's own composition in per-token RMS norms
+(``lipschitz/paper_bound_log10``, for comparison with its figures), both from the measured weights
+(:mod:`stability.lipschitz.transformer_bounds`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..lipschitz.certified import Bound, certified_bound
+from ..lipschitz.transformer_bounds import NotALipschitzTransformer, paper_bound
+from ..models import (
+    linear_patch_embedding,
+    linear_role,
+    norm_sites,
+    remove_biases,
+    replace_activations,
+    replace_attention_kernels,
+    split_qkv,
+    use_convex_residuals,
+)
+from ..nn.constraints import orthogonal_rms_
+from ..nn.lipschitz_blocks import LipschitzDotKernel, ScaledGELU
+from .base import Stabilizer, register_stabilizer
+
+TOKEN_PARAMETERS = ("pos_embed", "cls_token")
+
+
+@register_stabilizer
+class LipschitzTransformer(Stabilizer):
+    """``--stabilizer lipschitz_transformer`` (with ``muon`` for the weight constraints).
+
+    Args:
+        attention_scale: s in softmax(s·QKᵀ/d).
+        residual_scale: the convex residual weight is a = residual_scale/(2N) (the reference's option).
+        biases: keep the Linear layers' biases (they are then trained unconstrained).
+        orthogonal_init: every matrix orthogonal at RMS→RMS norm 1.
+        zero_init: W_O, the MLP output and the head start at zero.
+        token_rms: bound on the per-token RMS of the positional embedding and class token.
+    """
+
+    name = "lipschitz_transformer"
+    summary = ("the Lipschitz-transformer architecture (no LayerNorm, convex residuals, (1/3)·softmax(s·QKᵀ/d)·V, "
+               "GELU/1.1289, linear patch embedding, no biases, orthogonal init); certified pixel bound and the "
+               "paper's bound")
+    source = "Newhouse et al. 2025"
+    prepare_order = 0
+    wants_constrained_network = True
+
+    def __init__(self, attention_scale: float = 1.0, residual_scale: float = 1.0, biases: bool = False,
+                 orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0) -> None:
+        if attention_scale <= 0 or token_rms <= 0 or residual_scale <= 0:
+            raise ValueError(f"lipschitz_transformer: need attention_scale > 0, residual_scale > 0 and token_rms > 0; "
+                             f"got {attention_scale}, {residual_scale}, {token_rms}")
+        self.attention_scale, self.residual_scale, self.biases = attention_scale, residual_scale, biases
+        self.orthogonal_init, self.zero_init, self.token_rms = orthogonal_init, zero_init, token_rms
+
+    def prepare(self, network: nn.Module) -> None:
+        backbone = network.backbone if hasattr(network, "backbone") else network
+        for site in norm_sites(backbone):
+            site.replace(nn.Identity())
+        replace_attention_kernels(backbone, lambda attn: LipschitzDotKernel(
+            attn.qkv.out_features // (3 * attn.num_heads), self.attention_scale))
+        replace_activations(backbone, nn.GELU, ScaledGELU)
+        use_convex_residuals(backbone, self.residual_scale)
+        try:
+            linear_patch_embedding(backbone)
+        except ValueError:  # an overlapping conv stem (CSwin): it stays a convolution, and unconstrained
+            pass
+        split_qkv(backbone)
+        if not self.biases:
+            remove_biases(network)
+        self._initialise(backbone)
+        self._bound_tokens(backbone)
+
+    @torch.no_grad()
+    def _initialise(self, backbone: nn.Module) -> None:
+        for name, module in backbone.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            zero = self.zero_init and (linear_role(name) in ("proj", "head") or name.endswith("mlp.fc2"))
+            if zero:
+                module.weight.zero_()
+            elif self.orthogonal_init:
+                orthogonal_rms_(module.weight)
+
+    def _tokens(self, backbone: nn.Module) -> list[nn.Parameter]:
+        return [p for attr in TOKEN_PARAMETERS if isinstance(p := getattr(backbone, attr, None), nn.Parameter)]
+
+    @torch.no_grad()
+    def _bound_tokens(self, backbone: nn.Module) -> None:
+        """Rows of the positional embedding and the class token scaled to per-token RMS ≤ token_rms."""
+        for tokens in self._tokens(backbone):
+            rms = tokens.pow(2).mean(-1, keepdim=True).sqrt()
+            tokens.mul_((self.token_rms / rms.clamp_min(1e-30)).clamp_max(1.0))
+
+    def after_optimizer_step(self, network: nn.Module) -> None:
+        self._bound_tokens(network.backbone)
+
+    def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+        return self._tokens(network.backbone)
+
+    def lipschitz_bound(self, network: nn.Module) -> Bound | None:
+        """The certified ℓ2 bound of pixels → logits on [0, 1]ⁿ (ViT; None elsewhere)."""
+        return certified_bound(network)[0]
+
+    def labelled_bounds(self, network: nn.Module) -> dict[str, float]:
+        """The paper's own bound, in per-token RMS norms from the embedded tokens (ViT)."""
+        try:
+            return {"paper": paper_bound(network)}
+        except NotALipschitzTransformer:
+            return {}

@@ -1,0 +1,264 @@
+"""The Lipschitz transformer as Newhouse et al. define it: the architecture, every matrix constrained
+(Q, K, V apart, embedding and head too) after every step, the hammer that sets σ₁, spectral weight
+decay, the reference's initialisation and update scales, both bounds above exact Jacobian norms, and
+Lipschitz-margin training."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from stability.classifier import ImageClassifier
+from stability.lipschitz import jacobian_norm
+from stability.lipschitz.certified import certified_bound
+from stability.lipschitz.transformer_bounds import paper_bound, pixel_bound
+from stability.models import ConvexResidualBlock, PatchLinear, SplitQKV, attention_sites, norm_sites
+from stability.nn import constraints
+from stability.nn.lipschitz_blocks import LipschitzDotKernel, ScaledGELU
+from stability.robustness import AttackSpec, certified_radii, robust_accuracy
+from stability.stabilizers.muon import constrained_matrices
+
+VIT = dict(embed_dim=16, depth=2, num_heads=2)
+
+
+def lipschitz_transformer(muon: dict | None = None, **options) -> ImageClassifier:
+    stabilizers = "lipschitz_transformer,muon" if muon is not None else "lipschitz_transformer"
+    stabilizer_options = {"lipschitz_transformer": options}
+    if muon is not None:
+        stabilizer_options["muon"] = {"layers": "all", **muon}
+    return ImageClassifier(backbone_options=VIT, stabilizer=stabilizers, stabilizer_options=stabilizer_options,
+                           lr=1e-2)
+
+
+def rms_singular_values(w: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(w.double()) * (w.shape[1] / w.shape[0]) ** 0.5
+
+
+def test_architecture_is_the_papers():
+    module = lipschitz_transformer(attention_scale=2.0)
+    backbone = module.network.backbone
+    assert not norm_sites(backbone)
+    assert isinstance(backbone.patch_embed.proj, PatchLinear)
+    assert all(isinstance(s.module.kernel, LipschitzDotKernel) and isinstance(s.qkv, SplitQKV)
+               for s in attention_sites(backbone))
+    blocks = [m for m in backbone.modules() if isinstance(m, ConvexResidualBlock)]
+    assert len(blocks) == 2 and blocks[0].a == pytest.approx(1 / 4)
+    assert not [n for n, p in module.network.named_parameters() if n.endswith("bias")]  # biases off
+    # one block computes the convex combinations with attention (1/3)·W_O·softmax(2·QKᵀ/d)·V
+    block, x = blocks[0], torch.randn(2, 5, 16)
+    attn = block.block.attn
+    q, k, v = attn.qkv(x).reshape(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    heads = torch.softmax(2.0 * q @ k.transpose(-2, -1) / 8, dim=-1) @ v / 3
+    y = 0.75 * x + 0.25 * attn.proj(heads.transpose(1, 2).reshape(2, 5, 16))
+    torch.testing.assert_close(block(x), 0.75 * y + 0.25 * block.block.mlp(y), atol=1e-6, rtol=1e-5)
+    assert isinstance(block.block.mlp.act, ScaledGELU)
+    grid = torch.linspace(-6, 6, 20001, requires_grad=True)  # GELU/1.1289 is 1-Lipschitz (and only just)
+    (slope,) = torch.autograd.grad(ScaledGELU()(grid).sum(), grid)
+    assert 0.999 < float(slope.abs().max()) <= 1.0 + 1e-6
+
+
+def test_patch_linear_and_split_qkv_compute_what_they_replace():
+    conv = nn.Conv2d(3, 8, 2, stride=2)
+    x = torch.rand(2, 3, 6, 6)
+    torch.testing.assert_close(PatchLinear(conv)(x), conv(x))
+    fused = nn.Linear(8, 24)
+    split = SplitQKV(fused)
+    y = torch.randn(4, 8)
+    torch.testing.assert_close(split(y), fused(y))
+    torch.testing.assert_close(split.weight, fused.weight)
+
+
+def test_reference_initialisation_orthogonal_at_rms_one_and_zero_outputs():
+    module = lipschitz_transformer()
+    for name, m in module.network.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if name.endswith(("attn.proj", "mlp.fc2", "head")):
+            assert float(m.weight.abs().max()) == 0, name
+        else:
+            torch.testing.assert_close(rms_singular_values(m.weight), torch.ones(min(m.weight.shape),
+                                                                                   dtype=torch.float64), msg=name)
+    tokens = module.network.backbone.pos_embed
+    assert float(tokens.pow(2).mean(-1).sqrt().max()) <= 1.0 + 1e-6
+
+
+def set_gradients(module: ImageClassifier, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 5
+
+
+def steps(module: ImageClassifier, count: int, check) -> None:
+    optimizer = module.build_optimizer()
+    for seed in range(count):
+        set_gradients(module, seed)
+        optimizer.step()
+        module.after_optimizer_step()
+        check(module)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+@pytest.mark.parametrize("constraint", ["normalise", "hard_cap", "soft_cap"])
+def test_every_matrix_and_each_of_q_k_v_stays_at_sigma_max_after_every_step(constraint, optimizer):
+    module = lipschitz_transformer(muon={"constraint": constraint, "sigma_max": 0.7, "optimizer": optimizer,
+                                         "lr": 0.05 if optimizer == "muon" else 0.01})
+    names = [name for name, _ in constrained_matrices(module.network, "all")]
+    assert any(n.endswith("patch_embed.proj.linear.weight") for n in names)
+    assert any(n.endswith("head.weight") for n in names)
+    assert sum(n.endswith(("qkv.q.weight", "qkv.k.weight", "qkv.v.weight")) for n in names) == 3 * VIT["depth"]
+
+    def check(m):
+        for name, w in constrained_matrices(m.network, "all"):
+            assert float(rms_singular_values(w.detach()).max()) <= 0.7 + 1e-5, name  # against SVD, per matrix
+        for site in attention_sites(m.network):  # and per block of the fused view
+            for part in "qkv":
+                block = site.qkv.weight.detach()[site.head_rows(part, 0).start:][:16]
+                assert float(rms_singular_values(block).max()) <= 0.7 + 1e-5
+        tokens = m.network.backbone.pos_embed.detach()
+        assert float(tokens.pow(2).mean(-1).sqrt().max()) <= 1.0 + 1e-6
+
+    steps(module, 6, check)
+    assert module.unconstrained_parameters() == []
+
+
+def test_hammer_sets_sigma_one_exactly_raising_it_too():
+    gen = torch.Generator().manual_seed(0)
+    small = torch.randn(6, 10, generator=gen, dtype=torch.float64) * 0.05
+    large = small * 200
+    for w in (small, large):
+        before = rms_singular_values(w)
+        after = rms_singular_values(constraints.hammer(w, 0.9))
+        assert torch.isclose(after, torch.tensor(0.9, dtype=after.dtype)).any()
+        for sigma in before[1:]:  # the others untouched
+            assert torch.isclose(after, sigma).any()
+    assert float(rms_singular_values(small)[0]) < 0.9  # it was raised
+
+
+def test_spectral_weight_decay_shrinks_only_the_top_singular_value():
+    w = torch.randn(6, 10, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    before = torch.linalg.svdvals(w)
+    after = torch.linalg.svdvals(constraints.spectral_weight_decay(w, 0.25))
+    expected = torch.cat([before[:1] * 0.75, before[1:]]).sort(descending=True).values
+    torch.testing.assert_close(after, expected)
+
+
+def test_update_scales_set_each_roles_learning_rate():
+    module = lipschitz_transformer(muon={"lr": 0.1, "update_scales": {"qkv": 0.889, "head": 0.056}})
+    muon = module.stabilizers[1]
+    module.build_optimizer()
+    by_lr = {round(g["lr"], 4): len(g["params"]) for g in muon._muon.param_groups}
+    assert by_lr == {0.0889: 3 * VIT["depth"], 0.0056: 1, 0.1: 1 + 3 * VIT["depth"]}  # embed, W_O, fc1, fc2
+    with pytest.raises(ValueError, match="unknown roles"):
+        ImageClassifier(stabilizer="muon", stabilizer_options={"muon": {"update_scales": {"attention": 2.0}}})
+
+
+def test_the_run_lists_unconstrained_parameters():
+    alone = lipschitz_transformer()  # no muon: the matrices are trained freely
+    free = alone.unconstrained_parameters()
+    assert any(n.endswith("qkv.q.weight") for n in free) and not any("pos_embed" in n for n in free)
+    with_biases = lipschitz_transformer(muon={}, biases=True)
+    assert all(n.endswith("bias") for n in with_biases.unconstrained_parameters())
+    assert with_biases.unconstrained_parameters()
+
+
+def sharpened(module: ImageClassifier, scale: float) -> nn.Module:
+    network = module.network.eval().double()
+    with torch.no_grad():
+        for name, p in network.named_parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn_like(p) * scale / p.shape[1] ** 0.5)
+            elif "pos_embed" in name or "cls_token" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    return network
+
+
+def box_points(n: int = 8) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.cat([torch.rand(n, 1, 8, 8, generator=gen, dtype=torch.float64),
+                      torch.randint(0, 2, (n, 1, 8, 8), generator=gen).double()])  # box corners too
+
+
+@pytest.mark.parametrize("scale, attention_scale, biases", [(1.0, 1.0, False), (3.0, 4.0, True), (6.0, 16.0, False)])
+def test_pixel_bound_is_above_the_exact_jacobian_norm_in_the_box(scale, attention_scale, biases):
+    torch.manual_seed(1)
+    network = sharpened(lipschitz_transformer(attention_scale=attention_scale, biases=biases), scale)
+    bound, reason = certified_bound(network)
+    assert bound is not None and reason == "" and bound.domain == "[0, 1]^n"
+    images = box_points()
+    exact = jacobian_norm(network, images, method="exact")
+    assert float(exact.max()) <= bound.value
+    # the features' bound too (pixels → the head's input, for the per-class-pair certificate)
+    features = network.backbone.forward_head
+    head_input = torch.func.vmap(torch.func.jacrev(
+        lambda x: features(network.backbone.forward_features((x[None] - network.mean) / network.std),
+                           pre_logits=True)[0]))(images)
+    assert float(torch.linalg.matrix_norm(head_input.flatten(2), ord=2).max()) <= bound.features
+    assert bound.value == pytest.approx(bound.features * float(torch.linalg.matrix_norm(
+        network.backbone.head.weight.double(), ord=2)))
+
+
+def paper_norm_lower_estimate(network: nn.Module, images: torch.Tensor) -> float:
+    """A lower estimate of the Jacobian's norm from max-token-RMS to RMS, embedded tokens → logits:
+    ‖J δ‖_RMS for the largest-singular direction, scaled to max-token RMS 1 (any such δ is ≤ the norm)."""
+    backbone = network.backbone
+    best = 0.0
+    for image in images:
+        with torch.no_grad():
+            tokens = backbone._pos_embed(backbone.patch_embed((image[None] - network.mean) / network.std))
+
+        def logits(t):
+            x = backbone.blocks(t)
+            return backbone.forward_head(backbone.norm(x))
+
+        jac = torch.autograd.functional.jacobian(logits, tokens)[0].flatten(1)  # (K, N·D)
+        _, _, vh = torch.linalg.svd(jac, full_matrices=False)
+        delta = vh[0].view(tokens.shape[1], -1)
+        delta = delta / delta.pow(2).mean(-1).sqrt().max()  # max-token RMS 1
+        out = jac @ delta.flatten()
+        best = max(best, float(out.pow(2).mean().sqrt()))
+    return best
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_paper_bound_is_above_what_the_network_does_in_its_norms(scale):
+    torch.manual_seed(2)
+    network = sharpened(lipschitz_transformer(attention_scale=2.0), scale)
+    assert paper_norm_lower_estimate(network, box_points(4)) <= paper_bound(network)
+
+
+def test_margin_loss_is_its_formula_and_certifies_what_it_claims():
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2),
+                             stabilizer="lipschitz_transformer,muon,lipschitz_margin",
+                             stabilizer_options={"lipschitz_margin": {"eps": 0.05},
+                                                 "muon": {"layers": "all", "constraint": "hard_cap"}})
+    network = module.network
+    with torch.no_grad():  # a network that is not constant (the zero-initialised head)
+        for p in network.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn_like(p) * 3 / p.shape[1] ** 0.5)
+    images, labels = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    logits, terms = module.losses(images, labels)
+    bound = float(pixel_bound(network)[0])
+    margin = math.sqrt(2) * bound * 0.05
+    expected = nn.functional.cross_entropy(logits + margin * (1 - nn.functional.one_hot(labels, 10)), labels)
+    torch.testing.assert_close(terms["task"], expected)
+    torch.testing.assert_close(terms["cross_entropy"], nn.functional.cross_entropy(logits, labels).detach())
+    terms["task"].backward()  # differentiable through the bound's σ₁'s
+    assert network.backbone.head.weight.grad is not None
+    # a point the margin-shifted logits classify correctly is certified at ε, and attacks at ε fail on it
+    network.eval()
+    with torch.no_grad():
+        z = network(images)
+    shifted = z + margin * (1 - nn.functional.one_hot(labels, 10))
+    fitted = shifted.argmax(-1) == labels
+    radii = certified_radii(z, labels, certified_bound(network)[0])
+    assert (radii[fitted] > 0.05).all()
+    if fitted.any():
+        kept = robust_accuracy(network, images[fitted], labels[fitted], [AttackSpec("pgd", "L2", 0.05)], 10)
+        assert kept["pgd_L2_0.05"] == 1.0
+
+
+def test_margin_loss_needs_a_certified_bound():
+    with pytest.raises(ValueError, match="needs a model with a certified Lipschitz bound"):
+        ImageClassifier(backbone_options=VIT, stabilizer="lipschitz_margin")
