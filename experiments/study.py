@@ -1,6 +1,7 @@
 """Run one study end to end: its sweep (configs/experiments/<study>.yaml), then its report.
 
-    python experiments/study.py lipsformer_no_warmup            # → runs/sweeps/<study>/, results/<study>/
+    python experiments/study.py lipsformer_no_warmup            # → runs/sweeps/<name>/, results/<name>/
+    python experiments/study.py mnist/jasmin_specformer --workers 2
     python experiments/study.py jasmin_specformer --workers 2
     python experiments/study.py paper/jasmin_specformer_cifar10 --devices 0,1,2,3
 
@@ -10,6 +11,8 @@ Extra arguments go to ``stability sweep`` (``--workers``, ``--devices``, ``--sub
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +32,7 @@ def main(argv: list[str]) -> int:
                            cwd=ROOT)
     if any(flag in extra for flag in ("--emit", "--dry_run", "--submit")):
         return sweep.returncode
-    name = Path(study).name
+    name = yaml.safe_load(spec.read_text())["name"]  # the sweep's directory and the report's
     report = subprocess.run([sys.executable, "-m", "stability", "report", f"runs/sweeps/{name}",
                              "--study", name, "--out", f"results/{name}"], cwd=ROOT)
     return sweep.returncode or report.returncode

@@ -1,11 +1,14 @@
-"""Data modules on real formats: digits, CIFAR python pickles written here, a folder of PNGs."""
+"""Data modules on real formats: digits, CIFAR python pickles and MNIST IDX files written here, a folder
+of PNGs."""
+import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from stability.data import CIFAR10, CIFAR100, Digits, ImageFolder
+from stability.data import CIFAR10, CIFAR100, MNIST, Digits, FashionMNIST, ImageFolder
 from stability.data.base import augment, mix
 
 
@@ -121,3 +124,56 @@ def test_split_indices_partition_and_do_not_depend_on_global_seed():
     assert (len(train), len(val), len(test)) == (70, 20, 10)
     with pytest.raises(ValueError, match="sum to less than 1"):
         split_indices(10, 0.6, 0.5)
+
+
+def write_idx(raw: Path, images: np.ndarray, labels: np.ndarray, prefix: str) -> None:
+    """IDX files as LeCun's: big-endian magic 0x0803 / 0x0801, then the sizes, then unsigned bytes."""
+    raw.mkdir(parents=True, exist_ok=True)
+    with open(raw / f"{prefix}-images-idx3-ubyte", "wb") as handle:
+        handle.write(struct.pack(">iiii", 0x0803, *images.shape) + images.astype(np.uint8).tobytes())
+    with open(raw / f"{prefix}-labels-idx1-ubyte", "wb") as handle:
+        handle.write(struct.pack(">ii", 0x0801, len(labels)) + labels.astype(np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("cls", [MNIST, FashionMNIST])
+def test_mnist_modules_read_the_official_idx_format(tmp_path, cls):
+    rng = np.random.default_rng(0)
+    train, test = rng.integers(0, 256, (24, 28, 28)), rng.integers(0, 256, (10, 28, 28))
+    train_labels, test_labels = rng.integers(0, 10, 24), rng.integers(0, 10, 10)
+    raw = tmp_path / cls.dataset_class.__name__ / "raw"
+    write_idx(raw, train, train_labels, "train")
+    write_idx(raw, test, test_labels, "t10k")
+    data = cls(root=str(tmp_path), val_fraction=0.25, batch_size=8)
+    data.setup()
+    assert len(data.train_set) == 18 and len(data.val_set) == 6 and len(data.test_set) == 10
+    image, label = data.test_set[3]
+    assert image.shape == (1, 28, 28) and 0 <= float(image.min()) and float(image.max()) <= 1
+    torch.testing.assert_close(image[0], torch.tensor(test[3] / 255.0, dtype=torch.float32))
+    assert label == test_labels[3]
+    everything = sorted(int(y) for _, y in [*data.train_set, *data.val_set])
+    assert everything == sorted(train_labels.tolist())  # train and val partition the official training set
+    resized = cls(root=str(tmp_path), image_size=32)
+    resized.setup()
+    assert resized.test_set[0][0].shape == (1, 32, 32)
+
+
+def test_missing_mnist_files_say_how_to_get_them(tmp_path):
+    data = MNIST(root=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="--data.download true.*train-images-idx3-ubyte.gz"):
+        data.setup()
+
+
+OFFICIAL_MNIST = Path(__file__).resolve().parents[1] / "data" / "MNIST" / "raw"
+
+
+@pytest.mark.skipif(not (OFFICIAL_MNIST / "t10k-labels-idx1-ubyte.gz").is_file(),
+                    reason="the four official MNIST .gz files are not in data/MNIST/raw (see README, Data)")
+def test_the_official_mnist_files_are_verified_and_extracted_offline(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name, _ in MNIST.dataset_class.resources:
+        (raw / name).write_bytes((OFFICIAL_MNIST / name).read_bytes())
+    data = MNIST(root=str(tmp_path))
+    data.prepare_data()
+    data.setup()
+    assert (len(data.train_set), len(data.val_set), len(data.test_set)) == (55000, 5000, 10000)

@@ -49,18 +49,20 @@ def measured(results: dict) -> dict:
 
 
 def test_results_json_records_the_whole_test_split_and_certified_accuracy(checkpoint):
-    results, done = test_results(checkpoint)
+    results, done = test_results(checkpoint, "--robustness.attack_num_points", "200")
     assert results["test_points"] == 270 and results["robustness"]["points"] == 270  # the digits test split
-    assert results["lipschitz"]["points"] == 270
+    assert results["lipschitz"]["points"] == 270 and results["robustness"]["attack_points"] == 200
+    assert results["robustness"]["attacks"]["pgd_Linf_8/255"]["points"] == 200
     accuracy = results["robustness"]["accuracy"]
-    assert accuracy["clean"] == pytest.approx(results["clean_accuracy"])  # attacks on the same points
+    assert accuracy["clean"] == pytest.approx(results["clean_accuracy"])  # clean and certified: every point
+    assert 0 < accuracy["attack_clean"] <= 1  # the clean accuracy of the 200 attacked points
     assert accuracy["worst_Linf_8/255"] <= min(accuracy["fgsm_Linf_8/255"], accuracy["pgd_Linf_8/255"])
     certified = results["robustness"]["certified"]
     assert {"L2_0.1", "L2_0.5", "Linf_2/255", "Linf_8/255"} <= set(certified)
     for budget, value in certified.items():
         assert 0 <= value <= accuracy["clean"]
-        if budget.startswith("Linf"):
-            assert value <= accuracy[f"worst_{budget}"]  # certified ≤ empirical, always
+        if budget.startswith("Linf"):  # certified ≤ empirical, always (the attacks ran on the first 200)
+            assert value <= accuracy[f"worst_{budget}"] + (270 - 200) / 270
     bound = results["robustness"]["certified_bound"]
     assert bound["value"] > 1 and "LipsFormer" in bound["label"] and results["lipschitz"]["certified_log10"] > 0
     assert results["stabilizers"]["lipsformer"]["center_norm"] is True and results["model"]["backbone"] == "vit"

@@ -38,6 +38,19 @@ def test_grid_expansion_crosses_variants_own_grids_shared_grid_and_seeds():
         for lam in ("1e-2", "1e-3") for k in (0, 10) for lr in (0.001, 0.01)}
 
 
+def test_a_variant_can_have_its_own_seeds_and_evaluation_args(tmp_path):
+    spec = Spec.from_dict({"name": "s", "seeds": [0, 1, 2], "args": {"trainer.max_epochs": 2},
+                           "variants": [{"stabilizer": "none", "args": {"robustness.autoattack_num_points": 500}},
+                                        {"stabilizer": "jasmin", "seeds": [0]}]})
+    runs = spec.runs()
+    assert [(dict(r.overrides)["stabilizer"], r.seed) for r in runs] == [("none", 0), ("none", 1), ("none", 2),
+                                                                         ("jasmin", 0)]
+    assert runs[0].name == "stabilizer=none,seed=0" and runs[0].configuration == "stabilizer=none"
+    command = spec.command(runs[0], tmp_path)
+    assert "--robustness.autoattack_num_points=500" in command and "--trainer.max_epochs=2" in command
+    assert not any("autoattack_num_points" in c for c in spec.command(runs[3], tmp_path))
+
+
 def test_duplicate_configurations_run_once_and_long_names_stay_unique():
     spec = Spec.from_dict({"name": "s", "variants": [{"a": 1}, {"a": 1}, {"b": "x" * 200}, {"b": "x" * 199}]})
     names = [r.name for r in spec.runs()]
@@ -159,9 +172,10 @@ def test_every_shipped_sweep_file_expands_and_each_variant_parses(path, capsys, 
     parses as a `stability fit` command line with its overrides in the resolved config."""
     from stability.cli import main
 
-    monkeypatch.chdir(path.parents[2] if path.parent.name == "experiments" else path.parents[3])
+    root = next(parent for parent in path.parents if (parent / "pyproject.toml").is_file())
+    monkeypatch.chdir(root)
     spec = Spec.from_dict(yaml.safe_load(path.read_text()), str(path))
-    assert spec.runs() and spec.name == path.stem
+    assert spec.runs() and spec.name.endswith(path.stem)
     for variant in spec.variants:
         run = Spec(spec.name, spec.config, spec.args, [variant], spec.grid, spec.seeds).runs()[0]
         with pytest.raises(SystemExit) as exit_info:

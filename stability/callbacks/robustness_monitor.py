@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from .. import tags
-from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius
+from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
 from .bounds import certified_bound_of
 from .points import dataset_of, has_finite_weights, measure_batches, point_count
@@ -39,8 +39,11 @@ class RobustnessMonitor(L.Callback):
         eps: ℓ∞ budgets (pixel scale); ``l2_eps`` ℓ2 budgets (empty: none).
         autoattack_eps: the ℓ∞ budgets AutoAttack (either) runs at; ``autoattack_l2_eps`` its ℓ2 ones.
         autoattack_version: ``standard`` (APGD-CE, APGD-T, FAB-T, Square), ``plus`` or ``rand``.
+        attack_num_points: FGSM and PGD run on the first this many evaluation points only (None:
+            all); their clean accuracy is logged as ``attack_clean`` — clean and certified accuracy
+            always cover every evaluation point.
         autoattack_num_points: AutoAttack runs on the first this many evaluation points only
-            (None: all); its clean accuracy on them is logged as ``autoattack_clean``.
+            (None: as FGSM and PGD); its clean accuracy on them is logged as ``autoattack_clean``.
         certified_radii: ℓ2 radii at which certified accuracy is logged besides the attack budgets.
         pgd_steps: PGD iterations (step size 2.5·ε/steps).
         batch_size: points attacked at once.
@@ -52,7 +55,8 @@ class RobustnessMonitor(L.Callback):
                  test_attacks: Sequence[str] = ("fgsm", "pgd", "autoattack"),
                  eps: Sequence[float] = (2 / 255, 4 / 255, 8 / 255), l2_eps: Sequence[float] = (),
                  autoattack_eps: Sequence[float] = (2 / 255,), autoattack_l2_eps: Sequence[float] = (),
-                 autoattack_version: str = "standard", autoattack_num_points: int | None = None,
+                 autoattack_version: str = "standard", attack_num_points: int | None = None,
+                 autoattack_num_points: int | None = None,
                  certified_radii: Sequence[float] = (0.1, 0.25, 0.5, 1.0), pgd_steps: int = 10,
                  batch_size: int = 256, seed: int = 0) -> None:
         for name in (*attacks, *test_attacks):
@@ -61,7 +65,8 @@ class RobustnessMonitor(L.Callback):
         if every_n_epochs < 0 or num_points < 1 or batch_size < 1:
             raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1 and batch_size >= 1; got "
                              f"{every_n_epochs}, {num_points}, {batch_size}")
-        for label, value in (("test_num_points", test_num_points), ("autoattack_num_points", autoattack_num_points)):
+        for label, value in (("test_num_points", test_num_points), ("attack_num_points", attack_num_points),
+                             ("autoattack_num_points", autoattack_num_points)):
             if value is not None and value < 1:
                 raise ValueError(f"{label} must be >= 1 or None (all points), got {value}")
         if any(r < 0 for r in certified_radii):
@@ -71,6 +76,7 @@ class RobustnessMonitor(L.Callback):
         self.eps, self.l2_eps = tuple(eps), tuple(l2_eps)
         self.autoattack_eps, self.autoattack_l2_eps = tuple(autoattack_eps), tuple(autoattack_l2_eps)
         self.autoattack_version, self.autoattack_num_points = autoattack_version, autoattack_num_points
+        self.attack_num_points = attack_num_points
         self.certified_radii, self.pgd_steps, self.batch_size, self.seed = tuple(certified_radii), pgd_steps, \
             batch_size, seed
         AttackSettings(10, pgd_steps, None, autoattack_version, seed)  # validates the version
@@ -101,7 +107,9 @@ class RobustnessMonitor(L.Callback):
         dataset = dataset_of(loaders)
         count = point_count(dataset, num_points)
         specs = self.specs(attacks)
-        aa_count = count if self.autoattack_num_points is None else min(count, self.autoattack_num_points)
+        attacked = count if self.attack_num_points is None else min(count, self.attack_num_points)
+        aa_count = attacked if self.autoattack_num_points is None else min(count, self.autoattack_num_points)
+        prefix = {s.label: aa_count if s.name.startswith("autoattack") else attacked for s in specs}
         settings = AttackSettings(pl_module.hparams.num_classes, self.pgd_steps, None, self.autoattack_version,
                                   self.seed)
         with float32_network(pl_module.network) as network:
@@ -109,13 +117,11 @@ class RobustnessMonitor(L.Callback):
 
             def measure(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
                 start = index * self.batch_size
-                inside = max(0, min(len(labels), aa_count - start))  # points of this batch AutoAttack runs on
-                plain = [s for s in specs if not s.name.startswith("autoattack")]
-                auto = [s for s in specs if s.name.startswith("autoattack")]
-                out = evaluate_batch(network, images, labels, plain, settings, index)
-                if auto and inside:
-                    out.update({k: v for k, v in evaluate_batch(network, images[:inside], labels[:inside], auto,
-                                                                settings, index).items() if k != "clean"})
+                out = evaluate_batch(network, images, labels, [], settings, index)  # clean, on every point
+                for spec in specs:  # each attack on the points of this batch inside its prefix
+                    inside = max(0, min(len(labels), prefix[spec.label] - start))
+                    if inside:
+                        out[spec.label] = survivors(network, images[:inside], labels[:inside], spec, settings, index)
                 if bound is not None:
                     with evaluating(network), torch.no_grad():
                         out["radius"] = certified_radii(network(images), labels, bound)
@@ -126,6 +132,8 @@ class RobustnessMonitor(L.Callback):
                  for key in dict.fromkeys(k for b in batches for k in b) if key != "radius"}
         input_size = int(torch.as_tensor(dataset[0][0]).numel())
         metrics = accuracies({**masks, **worst_case(masks, specs)})
+        if any(not s.name.startswith("autoattack") for s in specs) and attacked < count:
+            metrics["attack_clean"] = float(masks["clean"][:attacked].float().mean())
         if any(s.name.startswith("autoattack") for s in specs) and aa_count < count:
             metrics["autoattack_clean"] = float(masks["clean"][:aa_count].float().mean())
         radii = torch.cat([b["radius"] for b in batches]) if bound is not None else None
@@ -141,13 +149,14 @@ class RobustnessMonitor(L.Callback):
         certified = {f"{tags.group(tags.CERTIFIED, stage)}/{k}": v for k, v in metrics.items()
                      if k.startswith("acc_")}
         self.last_results[stage] = {
-            "points": count, "autoattack_points": aa_count if any(s.name.startswith("autoattack") for s in specs)
-            else None, "accuracy": {k: v for k, v in metrics.items() if not k.startswith("acc_")},
+            "points": count, "attack_points": attacked,
+            "autoattack_points": aa_count if any(s.name.startswith("autoattack") for s in specs) else None,
+            "accuracy": {k: v for k, v in metrics.items() if not k.startswith("acc_")},
             "certified": {k[len("acc_"):]: v for k, v in metrics.items() if k.startswith("acc_")},
             "certified_bound": None if bound is None else {"value": bound.value, "label": bound.label,
                                                            "domain": bound.domain},
-            "attacks": {s.label: {"attack": s.name, "norm": s.norm, "eps": s.eps,
-                                  "points": aa_count if s.name.startswith("autoattack") else count} for s in specs},
+            "attacks": {s.label: {"attack": s.name, "norm": s.norm, "eps": s.eps, "points": prefix[s.label]}
+                        for s in specs},
             "autoattack_version": self.autoattack_version,
         }
         if trainer.is_global_zero:

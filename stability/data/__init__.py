@@ -3,5 +3,6 @@ from .base import ImageDataModule
 from .cifar import CIFAR10, CIFAR100
 from .digits import Digits
 from .folder import ImageFolder
+from .mnist import MNIST, FashionMNIST
 
-__all__ = ["CIFAR10", "CIFAR100", "Digits", "ImageDataModule", "ImageFolder"]
+__all__ = ["CIFAR10", "CIFAR100", "Digits", "FashionMNIST", "ImageDataModule", "ImageFolder", "MNIST"]

@@ -51,15 +51,23 @@ def short_names(configurations: list[Configuration]) -> dict[str, str]:
     for config in configurations:
         family = [parts[c.label] for c in configurations if c.stabilizer == config.stabilizer]
         shared = set.intersection(*(set(f) for f in family)) if len(family) > 1 else set()
-        kept = [part.removeprefix(f"{config.stabilizer}.") for part in parts[config.label]
+        kept = [_without_prefixes(part, config.stabilizer.split("+")) for part in parts[config.label]
                 if part not in shared and not part.startswith("stabilizer=")]
         names[config.label] = f"{config.stabilizer}: {', '.join(kept)}" if kept else config.stabilizer
     return names
 
 
+def _without_prefixes(part: str, stabilizers: list[str]) -> str:
+    for name in stabilizers:
+        part = part.removeprefix(f"{name}.")
+    return part
+
+
 def _legend(ax, count: int) -> None:
     if count > 6:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        handles, names = ax.get_legend_handles_labels()
+        columns = 2 if max(map(len, names)) <= 70 else 1
+        ax.figure.legend(handles, names, fontsize=7, loc="outside lower center", ncol=columns, frameon=False)
     else:
         ax.legend(fontsize=8)
 
@@ -79,7 +87,7 @@ def plot_accuracy_vs_lipschitz(configurations, styles, path: Path, title: str, c
     """Clean accuracy against the local estimate (or, with ``certified``, the certified bound:
     the frontier of Lipschitz-enforced training), one point per configuration."""
     column = "certified log10" if certified else "Lip local mean"
-    plt, fig, ax = _figure(9, 5)
+    plt, fig, ax = _figure(9, 5 + (0.2 * len(configurations) if len(configurations) > 6 else 0))
     drawn = 0
     for config in configurations:
         lip, acc = config.values(column), config.values("clean acc")
@@ -138,7 +146,7 @@ def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> boo
 
 
 def plot_loss_curves(configurations, styles, path: Path, title: str) -> bool:
-    plt, fig, ax = _figure(9, 5)
+    plt, fig, ax = _figure(9, 5 + (0.2 * len(configurations) if len(configurations) > 6 else 0))
     drawn = 0
     for config in configurations:
         curves = [r.scalars.get(tags.per_step(tags.TASK_LOSS)) or r.scalars.get(tags.per_step(tags.TRAIN_LOSS))
@@ -217,15 +225,13 @@ def plot_lipschitz_distribution(configurations, path: Path, title: str) -> bool:
 def plot_certified_vs_empirical(configurations, styles, path: Path, title: str) -> bool:
     """Per configuration with a certified bound: certified accuracy against the ℓ2 radius — the
     share of points whose certified radius exceeds it, from the pooled histogram of certified radii
-    (line; bucket resolution) and exactly at the logged radii (markers) — next to the empirical
-    worst-case ℓ2 robust accuracy at the attacked budgets (dashed)."""
-    plt, fig, ax = _figure(9, 5)
-    drawn = 0
-    for config in configurations:
+    (solid; bucket resolution) and exactly at the logged radii (filled markers) — next to the
+    empirical worst-case ℓ2 robust accuracy at the attacked budgets (dashed, hollow markers)."""
+    drawable = [c for c in configurations if any(k.startswith("cert L2_") for k in _certified_columns(c))]
+    plt, fig, ax = _figure(9, 5 + 0.2 * len(drawable))
+    for config in drawable:
         exact = {parse_label(f"cert_{k[len('cert '):]}")[2]: config.values(k) for k in _certified_columns(config)
                  if k.startswith("cert L2_")}
-        if not exact:
-            continue
         style = styles[config.label]
         limits, counts = pooled_histogram(config, tags.CERTIFIED, "radius")
         if counts:
@@ -234,18 +240,18 @@ def plot_certified_vs_empirical(configurations, styles, path: Path, title: str) 
             ax.step([0.0, *limits], [survival[0], *survival], where="post", color=style["color"], alpha=0.8)
         radii = sorted(r for r, v in exact.items() if v)
         ax.plot(radii, [statistics.fmean(exact[r]) for r in radii], color=style["color"], marker=style["marker"],
-                linestyle="none", label=f"{style['name']} (certified)")
+                linestyle="none", label=style["name"])
         empirical = sorted((parse_label(k)[2], statistics.fmean(config.values(k))) for k in
                            {k for r in config.runs for k in r.robust() if k.startswith("worst_L2_")}
                            if config.values(k))
         if empirical:
             ax.plot(*zip(*empirical), color=style["color"], marker=style["marker"], linestyle="--", alpha=0.8,
-                    markerfacecolor="none", label=f"{style['name']} (empirical, worst of attacks)")
-        drawn += 1
+                    markerfacecolor="none")
     ax.set_xlabel("ℓ2 radius (pixel units)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
-    return _finish(plt, fig, ax, drawn, path, f"{title}: certified vs empirical ℓ2 robust accuracy (mean over seeds)")
+    return _finish(plt, fig, ax, len(drawable), path,
+                   f"{title}: certified (filled, solid) vs empirical worst-case (hollow, dashed) ℓ2 accuracy")
 
 
 def _certified_columns(config: Configuration) -> list[str]:

@@ -15,7 +15,7 @@ import yaml
 from .. import tags
 from ..callbacks.results_file import RESULTS_FILE
 
-NOT_ATTACKS = ("clean", "autoattack_clean")  # accuracies logged beside the attacks that are no attack
+NOT_ATTACKS = ("clean", "attack_clean", "autoattack_clean")  # accuracies logged beside the attacks that are no attack
 
 
 @dataclass
@@ -87,7 +87,7 @@ class RunRecord:
         row = {
             "clean acc": clean if clean is not None else self.last(tags.stage_metric("test", "acc"),
                                                                   tags.stage_metric("val", "acc")),
-            "clean (attack subset)": attacked.get("clean"),
+            "clean (attack subset)": attacked.get("attack_clean", attacked.get("clean")),
             "clean (AutoAttack subset)": attacked.get("autoattack_clean"),
             **self.robust(),
             **{f"cert {k}": v for k, v in self.certified().items()},

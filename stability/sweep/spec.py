@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 SPEC_KEYS = {"name", "description", "config", "args", "variants", "grid", "seeds"}
+VARIANT_KEYS = ("grid", "seeds", "args")  # a variant's keys that are not config overrides
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Run:
 
     overrides: tuple[tuple[str, Any], ...]
     seed: int
+    extra: tuple[tuple[str, Any], ...] = ()  # a variant's own ``args``: in the command, not in the name
 
     @property
     def name(self) -> str:
@@ -77,15 +79,18 @@ class Spec:
                 "variants": self.variants, "grid": self.grid, "seeds": self.seeds}
 
     def runs(self) -> list[Run]:
-        """Every variant × its own grid × the shared grid × seeds, in that order, without duplicates."""
+        """Every variant × its own grid × the shared grid × seeds (the variant's own ``seeds`` where it
+        has them), in that order, without duplicates. A variant's ``args`` reach its commands but not its
+        name or label (e.g. evaluating some configurations on more points)."""
         runs, seen = [], set()
         for variant in self.variants:
-            fixed = {k: v for k, v in variant.items() if k != "grid"}
+            fixed = {k: v for k, v in variant.items() if k not in VARIANT_KEYS}
             own_grid = dict(variant.get("grid") or {})
+            extra = tuple(dict(variant.get("args") or {}).items())
             for values in _product({**own_grid, **self.grid}):
                 overrides = tuple({**fixed, **values}.items())
-                for seed in self.seeds:
-                    run = Run(overrides, seed)
+                for seed in variant.get("seeds", self.seeds):
+                    run = Run(overrides, int(seed), extra)
                     if run.name not in seen:
                         seen.add(run.name)
                         runs.append(run)
@@ -96,7 +101,7 @@ class Spec:
         cmd = [sys.executable, "-m", "stability", "fit"]
         for path in self.config:
             cmd += ["--config", str(path)]
-        for key, value in {**self.args, **dict(run.overrides)}.items():
+        for key, value in {**self.args, **dict(run.extra), **dict(run.overrides)}.items():
             cmd.append(f"--{key}={_cli_value(value)}")
         return cmd + [f"--seed_everything={run.seed}", f"--run_dir={run_dir}",
                       "--trainer.enable_progress_bar=false"]
