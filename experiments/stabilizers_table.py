@@ -51,11 +51,12 @@ RUNS = [  # (label, extra CLI arguments)
                                             "--lipschitz_transformer.attention_scale", "1"]),
     ("lipsformer + jasmin", ["--config", "configs/stabilizer/lipsformer_jasmin.yaml"]),
 ]
-DATASETS = {  # config, epochs, points attacked, ℓ∞ budgets of FGSM / PGD, AutoAttack's, certified ℓ2 radii
+DATASETS = {  # config, epochs, points attacked, ℓ∞ / ℓ2 budgets of FGSM / PGD, AutoAttack's, certified ℓ2 radii
     "digits": dict(config="configs/vit_digits.yaml", epochs=30, attack_points=270, eps=(2 / 255, 8 / 255),
-                   autoattack_eps=2 / 255, radii=(0.05, 0.1, 0.25)),
+                   l2_eps=(), autoattack=("Linf", 2 / 255), autoattack_points=100, radii=(0.05, 0.1, 0.25)),
     "mnist": dict(config="configs/vit_mnist.yaml", epochs=6, attack_points=1000,
-                  eps=(2 / 255, 8 / 255, 0.1, 0.3), autoattack_eps=2 / 255, radii=(0.1, 0.3, 0.5, 1.0, 1.58)),
+                  eps=(2 / 255, 4 / 255, 0.1, 0.3), l2_eps=(0.5, 1.0, 1.58), autoattack=("Linf", 0.1),
+                  autoattack_points=200, radii=(0.1, 0.3, 0.5, 1.0, 1.58)),
 }
 
 
@@ -98,14 +99,17 @@ def robustness(network: torch.nn.Module, images: torch.Tensor, labels: torch.Ten
         "local mean": float(local.mean()), "local max": float(local.max()),
         "certified log10": f"{math.log10(bound.value):.1f}" if bound else "none",
         "tightness": f"{bound.value / float(local.max()):.2g}" if bound else "—", "paper bound log10": paper}
-    attacks = [AttackSpec(kind, "Linf", eps) for eps in setting["eps"] for kind in ("fgsm", "pgd")]
+    budgets = [("Linf", eps) for eps in setting["eps"]] + [("L2", eps) for eps in setting["l2_eps"]]
+    attacks = [AttackSpec(kind, norm, eps) for norm, eps in budgets for kind in ("fgsm", "pgd")]
     results = robust_accuracy(network, attacked, attacked_labels, attacks, num_classes=10, pgd_steps=10, seed=0)
     values.update({k: v for k, v in results.items() if not k.startswith("worst")})
-    worst = f"worst_{AttackSpec('pgd', 'Linf', max(setting['eps'])).budget}"
-    values[worst] = results[worst]
-    eps = setting["autoattack_eps"]
+    for norm, key in (("Linf", "eps"), ("L2", "l2_eps")):  # the worst case at each norm's largest budget
+        if setting[key]:
+            worst = f"worst_{AttackSpec('pgd', norm, max(setting[key])).budget}"
+            values[worst] = results[worst]
+    norm, eps = setting["autoattack"]
     official = robust_accuracy(network, images[:autoattack_points], labels[:autoattack_points],
-                               [AttackSpec("autoattack", "Linf", eps)], num_classes=10, seed=0)
+                               [AttackSpec("autoattack", norm, eps)], num_classes=10, seed=0)
     values[f"clean (first {autoattack_points})"] = official["clean"]
     values.update({k: v for k, v in official.items() if k.startswith("autoattack")})
     radii = certified_radii(predict(network, images), labels, bound) if bound else None
@@ -119,9 +123,10 @@ def main() -> None:
     parser.add_argument("--data", choices=sorted(DATASETS), default="digits")
     parser.add_argument("--epochs", type=int, help="default: the data set's (digits 30, mnist 6)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--autoattack_points", type=int, default=100)
+    parser.add_argument("--autoattack_points", type=int, help="default: the data set's (digits 100, mnist 200)")
     args = parser.parse_args()
     setting = DATASETS[args.data]
+    args.autoattack_points = args.autoattack_points or setting["autoattack_points"]
     epochs = args.epochs or setting["epochs"]
     runs_root, out = f"runs/stabilizers_{args.data}", ROOT / f"results/stabilizers_{args.data}.md"
     data = Digits() if args.data == "digits" else MNIST(root=str(ROOT / "data"))
@@ -168,9 +173,10 @@ def main() -> None:
               f"{points} test images; certified = log10 of the composed global bound where one exists (LipsFormer "
               "on ViT; spectral normalisation; the Lipschitz transformer, on [0, 1]ⁿ), tightness = that bound over "
               "the largest local value, paper bound = the Lipschitz transformer's bound as its paper composes it "
-              "(per-token RMS norms, not a pixel-space certificate); FGSM / PGD-10 (torchattacks, ℓ∞) and their "
-              f"worst case at the largest budget on the first {points}; the official AutoAttack (standard version) "
-              f"at ℓ∞ {setting['autoattack_eps']:.4g} on the first {args.autoattack_points}, with the clean "
+              "(per-token RMS norms, not a pixel-space certificate); FGSM / PGD-10 (torchattacks) and their "
+              f"worst case at each norm's largest budget on the first {points}; the official AutoAttack (standard "
+              f"version) at {setting['autoattack'][0]} {setting['autoattack'][1]:.4g} on the first "
+              f"{args.autoattack_points}, with the clean "
               f"accuracy on those; certified accuracy at ℓ2 radii on all {total} test images from the certified "
               "bound; accuracies are fractions; measurement time in seconds.", "",
               "| stabilizer | " + " | ".join(robust_keys) + " | measurement time (s) |",

@@ -14,7 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from stability.stabilizers import REGISTRY, Stabilizer
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# pytest-xdist runs one worker per core: share the cores between workers instead of oversubscribing them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
 
 QUICK = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 SMALL_VIT = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]
