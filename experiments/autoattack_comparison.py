@@ -38,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs_dir", default="runs/stabilizers_digits")
     parser.add_argument("--out", default="results/autoattack_comparison.md")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS),
+                        help="a subset of the models (default: all four)")
     args = parser.parse_args()
     data = Digits()
     data.setup()
@@ -45,7 +47,8 @@ def main() -> None:
     header = ["model", "ε", "clean", "PGD-10", "AutoAttack (torchattacks)", "AutoAttack (official)", "worst case",
               "certified", "s / point: PGD", "torchattacks AA", "official AA"]
     rows, started = [], time.time()
-    for label, index in MODELS.items():
+    for label in args.models:
+        index = MODELS[label]
         ckpt = max((ROOT / args.runs_dir / str(index)).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
         network = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").network.eval()
         bound, _ = certified_bound(network)

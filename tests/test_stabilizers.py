@@ -92,3 +92,24 @@ def test_module_swapping_stabilizers_prepare_first_whatever_the_order_given():
     assert [s.name for s in module.stabilizers] == ["specformer", "lipsformer"]
     for site in attention_sites(module.network.backbone):
         assert hasattr(site.module, "kernel") and hasattr(site.module, "specformer_u_q")
+
+
+def test_no_stabilizer_imports_another():
+    """Model surgery lives in stability/models: a stabilizer module imports no other stabilizer module."""
+    import ast
+    from pathlib import Path
+
+    import stability.stabilizers as package
+
+    folder = Path(package.__file__).parent
+    methods = {p.stem for p in folder.glob("*.py")} - {"__init__", "base"}
+    for path in folder.glob("*.py"):
+        if path.stem in {"__init__", "base"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = (node.module or "").split(".")
+                names = {alias.name for alias in node.names}
+                imported = ({module[-1]} if node.level == 1 and node.module else names if node.level == 1 else set())
+                imported |= {m for m in module if m in methods and "stabilizers" in module}
+                assert not (imported & (methods - {path.stem})), f"{path.name} imports {imported & methods}"
