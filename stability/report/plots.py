@@ -234,10 +234,11 @@ def plot_certified_vs_empirical(configurations, styles, path: Path, title: str) 
                  if k.startswith("cert L2_")}
         style = styles[config.label]
         limits, counts = pooled_histogram(config, tags.CERTIFIED, "radius")
-        if counts:
-            total = sum(counts)
-            survival = [sum(c for limit, c in zip(limits, counts) if limit > r) / total for r in limits]
-            ax.step([0.0, *limits], [survival[0], *survival], where="post", color=style["color"], alpha=0.8)
+        if counts:  # a bucket counts as certified at r only if its lower edge exceeds r: never an overstatement
+            total, lowers = sum(counts), [float("-inf"), *limits[:-1]]
+            grid = [0.0, *(limit for limit in limits if limit > 0)]
+            survival = [sum(c for lower, c in zip(lowers, counts) if lower > r) / total for r in grid]
+            ax.step(grid, survival, where="post", color=style["color"], alpha=0.8)
         radii = sorted(r for r, v in exact.items() if v)
         ax.plot(radii, [statistics.fmean(exact[r]) for r in radii], color=style["color"], marker=style["marker"],
                 linestyle="none", label=style["name"])
@@ -247,6 +248,10 @@ def plot_certified_vs_empirical(configurations, styles, path: Path, title: str) 
         if empirical:
             ax.plot(*zip(*empirical), color=style["color"], marker=style["marker"], linestyle="--", alpha=0.8,
                     markerfacecolor="none")
+    logged = [parse_label(f"cert_{k[len('cert '):]}")[2] for c in drawable for k in _certified_columns(c)
+              if k.startswith("cert L2_")]
+    if logged:  # the radii that were measured; a constant classifier's huge certificates would hide them
+        ax.set_xlim(0, 1.25 * max(logged))
     ax.set_xlabel("ℓ2 radius (pixel units)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
