@@ -10,12 +10,15 @@ weights and the test split:
     python experiments/stabilizers_table.py --data digits --epochs 30    # → results/stabilizers_digits.md
     python experiments/stabilizers_table.py --data mnist                 # → results/stabilizers_mnist.md
 
-Runs go to runs/stabilizers_<data>/ (not committed).
+Runs go to runs/stabilizers_<data>/ (not committed); rerunning the script keeps the fits that finished
+(same command) and measures everything again.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -138,13 +141,19 @@ def main() -> None:
                    "--trainer.max_epochs", str(epochs), "--seed_everything", str(args.seed),
                    "--runs_dir", runs_dir, "--trainer.enable_progress_bar", "false",
                    "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"]
-        start = time.time()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode not in (0, exit_codes.DIVERGED):
-            raise RuntimeError(f"{label}: stability fit failed:\n{done.stderr[-2000:]}")
-        if done.returncode == exit_codes.DIVERGED:  # a result, recorded as such
+        marker = ROOT / runs_dir / "fit.json"  # a finished fit: a rerun of the script measures it again, not refits
+        if marker.is_file() and json.loads(marker.read_text())["command"] == command[1:]:
+            returncode, seconds = (json.loads(marker.read_text())[k] for k in ("returncode", "seconds"))
+        else:
+            shutil.rmtree(ROOT / runs_dir, ignore_errors=True)
+            start = time.time()
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+            if done.returncode not in (0, exit_codes.DIVERGED):
+                raise RuntimeError(f"{label}: stability fit failed:\n{done.stderr[-2000:]}")
+            returncode, seconds = done.returncode, time.time() - start
+            marker.write_text(json.dumps({"command": command[1:], "returncode": returncode, "seconds": seconds}))
+        if returncode == exit_codes.DIVERGED:  # a result, recorded as such
             label += " (diverged)"
-        seconds = time.time() - start
         ckpt = max((ROOT / runs_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
         network = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").eval().network
         accuracy = float((predict(network, images).argmax(-1) == labels).float().mean())
