@@ -121,6 +121,44 @@ def robustness(network: torch.nn.Module, images: torch.Tensor, labels: torch.Ten
     return values
 
 
+def write_table(rows: list, args: argparse.Namespace, setting: dict, epochs: int, started_all: float,
+                labels: torch.Tensor, out: Path) -> None:
+    """Write the Markdown table of the rows measured so far (after every row: an interrupted run keeps them)."""
+    keys = list(rows[0][2])
+    minutes = (time.time() - started_all) / 60
+    points, total = setting["attack_points"], len(labels)
+    command = (f"python experiments/stabilizers_table.py --data {args.data} --epochs {epochs} --seed {args.seed} "
+               f"--autoattack_points {args.autoattack_points}")
+    lines = [f"# Stabilizers on {args.data} (micro ViT, {epochs} epochs, seed {args.seed})", "",
+             f"Made by `{command}` on 2 CPU cores in {minutes:.0f} min. One seed: differences of a few points "
+             "of accuracy between rows are within seed-to-seed spread (see the studies for several seeds). "
+             f"Test accuracy is on all {total} test images; the controlled quantities on the first {points}.", "",
+             "| stabilizer | test acc | " + " | ".join(keys) + " | fit time (s) |",
+             "|---" * (len(keys) + 3) + "|"]
+    for label, accuracy, values, seconds, _, _ in rows:
+        lines.append(f"| {label} | {accuracy:.3f} | " + " | ".join(f"{values[k]:.4g}" for k in keys)
+                     + f" | {seconds:.0f} |")
+    robust_keys = list(rows[0][4])
+    lines += ["", f"Lipschitz and robustness: local = exact ‖J(x)‖₂ of input→logits in pixel units on the first "
+              f"{points} test images; certified = log10 of the composed global bound where one exists (LipsFormer "
+              "on ViT; spectral normalisation; the Lipschitz transformer, on [0, 1]ⁿ), tightness = that bound over "
+              "the largest local value, paper bound = the Lipschitz transformer's bound as its paper composes it "
+              "(per-token RMS norms, not a pixel-space certificate); FGSM / PGD-10 (torchattacks) and their "
+              f"worst case at each norm's largest budget on the first {points}; the official AutoAttack (standard "
+              f"version) at {setting['autoattack'][0]} {setting['autoattack'][1]:.4g} on the first "
+              f"{args.autoattack_points}, with the clean "
+              f"accuracy on those; certified accuracy at ℓ2 radii on all {total} test images from the certified "
+              "bound; accuracies are fractions; measurement time in seconds.", "",
+              "| stabilizer | " + " | ".join(robust_keys) + " | measurement time (s) |",
+              "|---" * (len(robust_keys) + 2) + "|"]
+    for label, _, _, _, robust, seconds in rows:
+        lines.append(f"| {label} | " + " | ".join(v if isinstance(v, str) else f"{v:.4g}" for v in robust.values())
+                     + f" | {seconds:.0f} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", choices=sorted(DATASETS), default="digits")
@@ -163,39 +201,7 @@ def main() -> None:
                      time.time() - measured))
         print(f"{label}: test acc {accuracy:.3f} (fit {seconds:.0f} s, measurements {rows[-1][5]:.0f} s)",
               flush=True)
-    keys = list(rows[0][2])
-    minutes = (time.time() - started_all) / 60
-    points, total = setting["attack_points"], len(labels)
-    command = (f"python experiments/stabilizers_table.py --data {args.data} --epochs {epochs} --seed {args.seed} "
-               f"--autoattack_points {args.autoattack_points}")
-    lines = [f"# Stabilizers on {args.data} (micro ViT, {epochs} epochs, seed {args.seed})", "",
-             f"Made by `{command}` on 2 CPU cores in {minutes:.0f} min. One seed: differences of a few points "
-             "of accuracy between rows are within seed-to-seed spread (see the studies for several seeds). "
-             f"Test accuracy is on all {total} test images; the controlled quantities on the first {points}.", "",
-             "| stabilizer | test acc | " + " | ".join(keys) + " | fit time (s) |",
-             "|---" * (len(keys) + 3) + "|"]
-    for label, accuracy, values, seconds, _, _ in rows:
-        lines.append(f"| {label} | {accuracy:.3f} | " + " | ".join(f"{values[k]:.4g}" for k in keys)
-                     + f" | {seconds:.0f} |")
-    robust_keys = list(rows[0][4])
-    lines += ["", f"Lipschitz and robustness: local = exact ‖J(x)‖₂ of input→logits in pixel units on the first "
-              f"{points} test images; certified = log10 of the composed global bound where one exists (LipsFormer "
-              "on ViT; spectral normalisation; the Lipschitz transformer, on [0, 1]ⁿ), tightness = that bound over "
-              "the largest local value, paper bound = the Lipschitz transformer's bound as its paper composes it "
-              "(per-token RMS norms, not a pixel-space certificate); FGSM / PGD-10 (torchattacks) and their "
-              f"worst case at each norm's largest budget on the first {points}; the official AutoAttack (standard "
-              f"version) at {setting['autoattack'][0]} {setting['autoattack'][1]:.4g} on the first "
-              f"{args.autoattack_points}, with the clean "
-              f"accuracy on those; certified accuracy at ℓ2 radii on all {total} test images from the certified "
-              "bound; accuracies are fractions; measurement time in seconds.", "",
-              "| stabilizer | " + " | ".join(robust_keys) + " | measurement time (s) |",
-              "|---" * (len(robust_keys) + 2) + "|"]
-    for label, _, _, _, robust, seconds in rows:
-        lines.append(f"| {label} | " + " | ".join(v if isinstance(v, str) else f"{v:.4g}" for v in robust.values())
-                     + f" | {seconds:.0f} |")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        write_table(rows, args, setting, epochs, started_all, labels, out)
 
 
 if __name__ == "__main__":
