@@ -156,7 +156,6 @@ def write_table(rows: list, args: argparse.Namespace, setting: dict, epochs: int
                      + f" | {seconds:.0f} |")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 def main() -> None:
@@ -180,8 +179,9 @@ def main() -> None:
                    "--runs_dir", runs_dir, "--trainer.enable_progress_bar", "false",
                    "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"]
         marker = ROOT / runs_dir / "fit.json"  # a finished fit: a rerun of the script measures it again, not refits
-        if marker.is_file() and json.loads(marker.read_text())["command"] == command[1:]:
-            returncode, seconds = (json.loads(marker.read_text())[k] for k in ("returncode", "seconds"))
+        finished = json.loads(marker.read_text()) if marker.is_file() else {}
+        if finished.get("command") == command[1:]:
+            returncode, seconds = finished["returncode"], finished["seconds"]
         else:
             shutil.rmtree(ROOT / runs_dir, ignore_errors=True)
             start = time.time()
@@ -202,6 +202,7 @@ def main() -> None:
         print(f"{label}: test acc {accuracy:.3f} (fit {seconds:.0f} s, measurements {rows[-1][5]:.0f} s)",
               flush=True)
         write_table(rows, args, setting, epochs, started_all, labels, out)
+    print(out.read_text())
 
 
 if __name__ == "__main__":

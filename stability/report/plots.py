@@ -229,9 +229,11 @@ def plot_certified_vs_empirical(configurations, styles, path: Path, title: str) 
     empirical worst-case ℓ2 robust accuracy at the attacked budgets (dashed, hollow markers)."""
     drawable = [c for c in configurations if any(k.startswith("cert L2_") for k in _certified_columns(c))]
     plt, fig, ax = _figure(9, 5 + 0.2 * len(drawable))
+    logged: list[float] = []  # every radius measured exactly, of every configuration
     for config in drawable:
         exact = {parse_label(f"cert_{k[len('cert '):]}")[2]: config.values(k) for k in _certified_columns(config)
                  if k.startswith("cert L2_")}
+        logged += exact
         style = styles[config.label]
         limits, counts = pooled_histogram(config, tags.CERTIFIED, "radius")
         if counts:  # a bucket counts as certified at r only if its lower edge exceeds r: never an overstatement
@@ -248,8 +250,6 @@ def plot_certified_vs_empirical(configurations, styles, path: Path, title: str) 
         if empirical:
             ax.plot(*zip(*empirical), color=style["color"], marker=style["marker"], linestyle="--", alpha=0.8,
                     markerfacecolor="none")
-    logged = [parse_label(f"cert_{k[len('cert '):]}")[2] for c in drawable for k in _certified_columns(c)
-              if k.startswith("cert L2_")]
     if logged:  # the radii that were measured; a constant classifier's huge certificates would hide them
         ax.set_xlim(0, 1.25 * max(logged))
     ax.set_xlabel("ℓ2 radius (pixel units)")
