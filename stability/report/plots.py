@@ -168,7 +168,8 @@ def plot_loss_curves(configurations, styles, path: Path, title: str) -> bool:
     ax.set_yscale("log")
     ax.set_xlabel("training step")
     ax.set_ylabel("task loss (cross-entropy, log scale)")
-    return _finish(plt, fig, ax, drawn, path, f"{title}: training loss (every seed; a vertical dotted line marks where a run diverged)")
+    caption = "training loss (every seed; a vertical dotted line marks where a run diverged)"
+    return _finish(plt, fig, ax, drawn, path, f"{title}: {caption}")
 
 
 def weighted_quantiles(limits: list[float], counts: list[float], qs: list[float]) -> list[float]:
