@@ -102,3 +102,17 @@ def test_histogram_quantiles_follow_the_buckets():
     limits, counts = [1.0, 2.0, 4.0, 8.0], [0, 10, 80, 10]
     q05, q50, q95 = weighted_quantiles(limits, counts, [0.05, 0.5, 0.95])
     assert 1.0 <= q05 <= 2.0 and 2.0 <= q50 <= 4.0 and 4.0 <= q95 <= 8.0
+
+
+def test_jasmin_columns_average_g1_over_layers_and_read_the_no_embed_estimate():
+    """``g1 mean``: the layers' test values averaged (per-head scalars left out); ``Lip no-embed mean``:
+    results.json's estimate from the patch embedding on."""
+    scalars = {"attention/blocks.0.attn/g1_mean": [(0, 9.0), (5, 0.2)],
+               "attention/blocks.1.attn/g1_mean": [(5, 0.4)],
+               "attention/blocks.1.attn/g1_mean_h0": [(5, 7.0)],
+               "attention/blocks.1.attn/g1_max": [(5, 3.0)]}
+    results = {"clean_accuracy": 0.9, "lipschitz": {"local_mean": 12.0, "local_noembed_mean": 4.5}}
+    run = RunRecord(Path("run"), {}, "completed", scalars, {}, results=results)
+    assert run.summary["g1 mean"] == pytest.approx(0.3)
+    assert run.summary["Lip no-embed mean"] == 4.5
+    assert RunRecord(Path("run"), {}, "completed", {}, {}).summary["g1 mean"] is None

@@ -5,9 +5,9 @@ runs and plain ``runs/.../version_N`` alike), groups runs that differ only in th
 configuration, and writes under ``results/<study>/`` (``--out``):
 
 * ``report.md`` — one row per configuration: mean ± sample std over seeds of clean accuracy (and on
-  the attack subset), every robust accuracy, local Lipschitz mean / max, the certified bound (log10, where
-  finite), the last
-  epoch's task loss and training time per epoch (training steps only), and the divergence rate.
+  the attack subset), every robust accuracy, local Lipschitz mean / max (and from the patch embedding on),
+  JaSMin's mean g₁ where attention was measured, the certified bound (log10, where finite), the last epoch's
+  task loss and training time per epoch (training steps only), and the divergence rate.
   Test-time values (``--test_after_fit`` / ``stability test``) are used where a run has them, else
   the last values logged during fit. Diverged runs count in the divergence rate only;
 * ``accuracy_vs_lipschitz.png``, ``robust_vs_budget.png``, ``loss_curves.png``,
@@ -65,7 +65,9 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
                "whose clean accuracy is `clean (attack subset)` (`clean (AutoAttack subset)` where AutoAttack ran "
                "on fewer); `cert norm_ε`: certified accuracy from the model's certified Lipschitz bound; "
                "`Lip local`: power-iteration estimate of ‖J_f(x)‖₂ per point (a local estimate, never a "
-               "certificate); `certified log10`: log10 of the certified global bound where the model has one, "
+               "certificate); `Lip no-embed`: the same from the patch embedding on (JaSMin's Fig. 4); `g1 mean`: "
+               "JaSMin's g₁ of the attention rows, mean over points, heads and layers; `certified log10`: log10 of the "
+               "certified global bound where the model has one, "
                "`tightness` that bound over the largest local estimate; `paper bound log10`: the Lipschitz "
                "transformer's bound as its paper composes it (per-token RMS norms; it certifies nothing in pixels); "
                "`task loss`: last epoch's training objective; `s/epoch`: training steps only. Distributions are "

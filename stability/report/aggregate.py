@@ -130,8 +130,8 @@ def columns(configurations: list[Configuration]) -> list[str]:
             certified += [f"cert {k}" for k in run.certified() if f"cert {k}" not in certified]
     robust.sort(key=_budget_key)
     certified.sort(key=lambda c: _budget_key(f"cert_{c[len('cert '):]}"))
-    fixed_end = ["Lip local mean", "Lip local max", "certified log10", "tightness", "paper bound log10", "task loss",
-                 "s/epoch"]
+    fixed_end = ["Lip local mean", "Lip local max", "Lip no-embed mean", "g1 mean", "certified log10", "tightness",
+                 "paper bound log10", "task loss", "s/epoch"]
     present = [c for c in fixed_end if any(config.values(c) for config in configurations)]
     subsets = [c for c in ("clean (attack subset)", "clean (AutoAttack subset)")
                if robust and any(config.values(c) for config in configurations)]

@@ -78,6 +78,13 @@ class RunRecord:
             return self.results["lipschitz"][stat]
         return self.measured(tags.LIPSCHITZ, stat)
 
+    def attention_mean(self, stat: str) -> float | None:
+        """The mean over attention layers of a per-layer diagnostic's last value (``attention/<layer>/<stat>``)."""
+        prefix, suffix = f"{tags.ATTENTION}/", f"/{stat}"
+        values = [series[-1][1] for tag, series in self.scalars.items()
+                  if tag.startswith(prefix) and tag.endswith(suffix) and series]
+        return statistics.fmean(values) if values else None
+
     @functools.cached_property
     def summary(self) -> dict[str, float | None]:
         """The run's values for the table's columns (read once)."""
@@ -93,6 +100,8 @@ class RunRecord:
             **{f"cert {k}": v for k, v in self.certified().items()},
             "Lip local mean": self.lipschitz("local_mean"),
             "Lip local max": self.lipschitz("local_max"),
+            "Lip no-embed mean": self.lipschitz("local_noembed_mean"),
+            "g1 mean": self.attention_mean("g1_mean"),
             "certified log10": self.lipschitz("certified_log10"),
             "tightness": self.lipschitz("certified_tightness"),
             "paper bound log10": self.lipschitz("paper_bound_log10"),
