@@ -149,6 +149,8 @@ def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path, sweep_file, 
     assert diverged["status"] == "diverged" and diverged["diverged_at_step"] >= 0 and "non-finite" in diverged["reason"]
     assert json.loads((root / "stabilizer=none,seed=0" / "done.json").read_text())["status"] == "completed"
     assert "1 completed, 1 diverged" in done.stdout
+    shared = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))  # 2 workers share the cores
+    assert json.loads((diverging_run / "sweep_run.json").read_text())["OMP_NUM_THREADS"] == shared
     again = run_sweep(tmp_path, spec)
     assert "[skip] stabilizer=none,model.optimizer=sgd,model.lr=100000.0,seed=0: diverged" in again.stdout
 
