@@ -140,16 +140,16 @@ class Sweep:
             env["CUDA_VISIBLE_DEVICES"] = device
         elif self.workers > 1:  # share the CPU cores instead of oversubscribing them
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
-        record_path.write_text(json.dumps({
-            "sweep": self.spec.name, "run": run.name, "configuration": run.configuration,
-            "overrides": dict(run.overrides), "seed": run.seed, "command": cmd, "resumed": resumed,
-            # CPU sums split over threads round differently: the same seed repeats its numbers bit for bit
-            # only with the same thread count (unset: torch's default, one per physical core)
-            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS")}, indent=1) + "\n")
-        verb = "resume" if checkpoint is not None else "start"
-        self._say(f"[{verb}] {run.name}" + (f" on device {device}" if device is not None else ""))
-        started = time.time()
-        try:
+        try:  # from here on, the device goes back whatever fails
+            record_path.write_text(json.dumps({
+                "sweep": self.spec.name, "run": run.name, "configuration": run.configuration,
+                "overrides": dict(run.overrides), "seed": run.seed, "command": cmd, "resumed": resumed,
+                # CPU sums split over threads round differently: the same seed repeats its numbers bit for bit
+                # only with the same thread count (unset: torch's default, one per physical core)
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS")}, indent=1) + "\n")
+            verb = "resume" if checkpoint is not None else "start"
+            self._say(f"[{verb}] {run.name}" + (f" on device {device}" if device is not None else ""))
+            started = time.time()
             with open(run_dir / "run.log", "a" if checkpoint is not None else "w") as log:
                 child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
                 with self._lock:
