@@ -32,10 +32,56 @@ def test_hard_cap_is_u_min_sigma_beta_vt(shape):
     scale = (shape[1] / shape[0]) ** 0.5
     u, s, vh = torch.linalg.svd(w * scale, full_matrices=False)
     expected = (u * s.clamp(max=beta)) @ vh / scale
-    # the paper's msign formula (no SVD of the result needed) is the reference for our one-SVD version
+    # the paper's msign formula with an exact msign is U·min(Σ, β)·Vᵀ, and so is the one-SVD form
     torch.testing.assert_close(constraints.hard_cap_msign_formula(w, beta), expected, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(constraints.hard_cap(w, beta), constraints.hard_cap_msign_formula(w, beta),
-                               atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(constraints.hard_cap_svd(w, beta), expected, atol=1e-10, rtol=1e-10)
+
+
+def spectrum_cases(m, n, seed):
+    """Matrices in RMS units with spectra that are hard for an iterative cap: values a hair above and below
+    β = 1, all equal to β (a capped matrix), spread to 3β, rank-deficient with zeros, tiny and large."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))[0]
+    k = min(m, n)
+    signs = torch.where(torch.rand(k, generator=gen) < 0.5, -1.0, 1.0).double()
+    spectra = {"near": 1 + torch.logspace(-6, -1, k, dtype=torch.float64) * signs,
+               "at": torch.ones(k, dtype=torch.float64), "spread": torch.linspace(0, 3, k, dtype=torch.float64),
+               "rank-deficient": torch.cat([torch.full((k // 2,), 1.5), torch.zeros(k - k // 2)]).double(),
+               "below": torch.linspace(0.01, 0.999, k, dtype=torch.float64)}
+    return {name: (u[:, :k] * s) @ v[:, :k].T / (n / m) ** 0.5 for name, s in spectra.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(24, 24), (16, 48), (48, 16)])
+def test_newton_schulz_hard_cap_matches_the_svd_cap(shape, dtype):
+    """The per-step hard cap (msign formula, Newton–Schulz msign, matmuls only) is within 5e-5·β of the SVD cap
+    in RMS→RMS norm, and never more than 5e-5·β above β, with the a-priori bound (Muon) or without (‖M‖_F)."""
+    for name, w in spectrum_cases(*shape, seed=5).items():
+        reference = constraints.hard_cap_svd(w, 1.0)
+        largest = float(rms_singular_values(w).max())
+        for bound in (None, largest * 1.001 if largest > 0 else None):
+            capped = constraints.hard_cap(w.to(dtype), 1.0, bound=bound).double()
+            error = float(rms_singular_values(capped - reference).max())
+            assert error <= 5e-5, (name, bound, error)
+            assert float(rms_singular_values(capped).max()) <= 1.0 + 5e-5, (name, bound)
+
+
+def test_newton_schulz_msign_matches_the_svd_and_its_quintic_stays_bounded():
+    x = torch.linspace(0, 1, 100_001, dtype=torch.float64)
+    a, b, c = constraints.JORDAN_QUINTIC
+    for _ in range(12):  # the growth steps keep [0, 1] inside [0, 1.21] ⊂ [0, √3): the cubic steps converge after them
+        x = a * x + b * x ** 3 + c * x ** 5
+        assert float(x.min()) >= 0 and float(x.max()) <= 1.21
+    for name, w in spectrum_cases(20, 36, seed=6).items():
+        scale = float(w.norm())
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
+        kept = s >= 1e-3 * scale  # values above 1e-3 of ‖M‖_F come out within 1e-5 of 1
+        got = constraints.msign(w)
+        projected = u[:, kept].T @ got @ vh[kept].T  # the sign restricted to the kept directions: the identity
+        torch.testing.assert_close(projected, torch.eye(int(kept.sum()), dtype=w.dtype), atol=1e-5, rtol=0,
+                                   msg=name)
+        assert float(torch.linalg.matrix_norm(got, ord=2)) <= 1 + 1e-9, name  # never above 1
 
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6)])

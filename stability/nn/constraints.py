@@ -2,49 +2,147 @@
 (Newhouse et al. 2025; docs/methods.md#muon-and-weight-constraints), applied after every optimizer step.
 
 All act on M = sqrt(d_in/d_out)·W, whose spectral norm is the RMS→RMS norm of W, and take a
-target σ_max in those units. Each returns the new W.
+target σ_max in those units. Each returns the new W; all accept a stack of matrices (..., m, n).
+
+Per training step they use matmuls only — no SVD, no eigensolver, no host sync — and run in the
+weights' own precision (float32; callers switch autocast and TF32 off, :mod:`stability.nn.precision`):
+
+* :func:`msign` (U Vᵀ) by Newton–Schulz iterations and the exact :func:`hard_cap` U·min(Σ, β)·Vᵀ from
+  it by the msign formula;
+* :func:`normalise`, :func:`hammer` and :func:`spectral_weight_decay` from the top singular triplet
+  (σ, u, v) a persistent power iteration gives (:class:`~stability.nn.spectral.PowerIteration`);
+* :func:`soft_cap`, a fixed polynomial.
+
+The exact forms (one SVD each, for tests and for ``method: exact``) are :func:`msign_svd`,
+:func:`hard_cap_svd`, and the three power-iteration functions called without a triplet.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
 
 from .spectral import rms_scale
 
+# Growth phase of Newton–Schulz: the quintic x ↦ ax + bx³ + cx⁵ of Keller Jordan's Muon. It multiplies
+# small singular values by a = 3.4445 per step and keeps [0, 1] inside [0, 1.21] (checked in the tests).
+JORDAN_QUINTIC = (3.4445, -4.7750, 2.0315)
 
-def msign(matrix: torch.Tensor) -> torch.Tensor:
+
+def _wide(matrix: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The matrix with at most as many rows as columns (transposed if need be), and whether it was."""
+    tall = matrix.shape[-2] > matrix.shape[-1]
+    return (matrix.mT if tall else matrix), tall
+
+
+def newton_schulz(x: torch.Tensor, growth: int, polish: int) -> torch.Tensor:
+    """``growth`` quintic steps, then ``polish`` cubic steps X ← 1.5X − 0.5XXᵀX, on a wide X with
+    σ₁ ≤ 1. Each step maps every singular value s by a scalar polynomial and keeps the singular
+    vectors; the cubic converges quadratically to 1 from (0, √3) and never exceeds 1, so after at least
+    one cubic step every value is in [0, 1]."""
+    a, b, c = JORDAN_QUINTIC
+    for _ in range(growth):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    for _ in range(polish):
+        x = 1.5 * x - 0.5 * ((x @ x.mT) @ x)
+    return x
+
+
+@functools.lru_cache(maxsize=256)
+def cubic_steps(start: float, tolerance: float = 1e-7, most: int = 12) -> int:
+    """How many cubic steps x ← 1.5x − 0.5x³ take every x in [start, 1] to within ``tolerance`` of 1 (the
+    map is increasing on [0, 1], so the smallest x is the slowest); host arithmetic."""
+    x = start
+    for steps in range(most + 1):
+        if 1 - x <= tolerance:
+            return steps
+        x = 1.5 * x - 0.5 * x ** 3
+    return most
+
+
+def msign(matrix: torch.Tensor, growth: int = 6, polish: int = 4,
+          scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Matrix sign U Vᵀ of M = U Σ Vᵀ by Newton–Schulz, matmuls only (Newhouse et al. 2025, after Muon).
+
+    M is divided by ``scale`` (an upper bound of σ₁; by default ‖M‖_F) so that every singular value is in
+    [0, 1]; singular values s ≥ 1e-3·scale then come out within 1e-5 of 1 with the defaults (tests), smaller
+    ones lower (0 stays 0). With a ``scale`` close to σ₁, the top values need no growth steps."""
+    x, tall = _wide(matrix)
+    if scale is None:
+        scale = x.flatten(-2).norm(dim=-1)[..., None, None]
+    elif isinstance(scale, torch.Tensor):
+        scale = scale[..., None, None]
+    x = x / (scale + torch.finfo(x.dtype).tiny if isinstance(scale, torch.Tensor) else max(scale, 1e-30))
+    x = newton_schulz(x, growth, polish)
+    return x.mT if tall else x
+
+
+def msign_svd(matrix: torch.Tensor) -> torch.Tensor:
     """Matrix sign U Vᵀ of M = U Σ Vᵀ (exact, by SVD; zero singular values map to zero)."""
     u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
     keep = (s > s.amax(-1, keepdim=True) * 1e-12).to(matrix.dtype) if s.numel() else s
     return (u * keep.unsqueeze(-2)) @ vh
 
 
-def hard_cap(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
-    """Spectral hard cap, W ↦ U·min(Σ, β)·Vᵀ in RMS units (β = σ_max), from one SVD.
+def hard_cap(weight: torch.Tensor, sigma_max: float, bound: float | None = None, sign_growth: int = 8,
+             sign_polish: int = 4) -> torch.Tensor:
+    """Spectral hard cap W ↦ U·min(Σ, β)·Vᵀ in RMS units (β = σ_max), by the msign formula, matmuls only:
 
-    The paper computes the same map without an SVD, by the msign formula
-    (:func:`hard_cap_msign_formula`, tested equal); with an exact msign that costs two SVDs, and
-    the second, of βI − f(M)Mᵀ, has the repeated singular value β for every tall matrix, on which
-    LAPACK's divide-and-conquer SVD can fail to converge."""
+        cap(M; β) = ½[β f(M) + M − f(βI − f(M)Mᵀ)(β f(M) − M)],   f = msign          (Newhouse et al. 2025)
+
+    On singular directions: with p = f's value at σ (≤ 1) and q = f's value at β − pσ, the result is
+    ½[βp + σ − q(βp − σ)]: σ where q = 1 (σ < β), βp where q = −1 (σ > β). Only values of M at or above β
+    need p ≈ 1, and q errs only where β − σ is tiny, where the error ½(1 − |q|)|β − σ| is tiny too.
+
+    ``bound``: an a-priori upper bound of ‖M‖ (RMS units) that scales f's input instead of ‖M‖_F, so
+    the values at β start near 1 and four cubic steps suffice (Muon's step bound). The second sign
+    is taken on the small side (r × r, r = min(d_in, d_out)), its input scaled by max(β, ub − β) ≥ its
+    spectral norm; ``sign_growth`` quintic steps resolve β − σ down to ~3e-5·β, ``sign_polish`` cubic steps
+    finish it. Matches the SVD cap
+    to ~1e-5·β (tests, float32)."""
+    scale = rms_scale(weight)
+    m, tall = _wide(weight * scale)
+    if bound is not None:  # values at β start at β/bound: cubic steps alone take them to 1 when it is near 1
+        near = bound <= 1.5 * sigma_max
+        f = msign(m, growth=0 if near else 6, polish=cubic_steps(sigma_max / bound) if near else 4, scale=bound)
+        upper = bound
+    else:
+        f = msign(m)
+        upper = m.flatten(-2).norm(dim=-1)[..., None, None]  # ‖M‖_F ≥ σ₁
+    eye = torch.eye(m.shape[-2], dtype=m.dtype, device=m.device)
+    sign_input = sigma_max * eye - f @ m.mT  # (r, r): eigenvalues β − pσ ∈ [β − ub, β]
+    sign_scale = torch.clamp(upper - sigma_max, min=sigma_max) if isinstance(upper, torch.Tensor) else \
+        max(sigma_max, upper - sigma_max)
+    q = newton_schulz(sign_input / sign_scale, sign_growth, sign_polish)
+    capped = 0.5 * (sigma_max * f + m - q @ (sigma_max * f - m))
+    capped = capped.mT if tall else capped
+    return capped / scale
+
+
+def hard_cap_svd(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
+    """The same cap from one SVD: U·min(Σ, β)·Vᵀ in RMS units (exact; for ``method: exact`` and tests)."""
     scale = rms_scale(weight)
     u, s, vh = torch.linalg.svd(weight * scale, full_matrices=False)
     return (u * s.clamp_max(sigma_max).unsqueeze(-2)) @ vh / scale
 
 
 def hard_cap_msign_formula(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
-    """cap(M; β) = ½[β f(M) + M − f(βI − f(M)Mᵀ)(β f(M) − M)], f = msign (Newhouse et al. 2025)."""
+    """The msign formula with the exact (SVD) msign: the reference the tests hold both caps to."""
     scale = rms_scale(weight)
     m = weight * scale
-    f = msign(m)
+    f = msign_svd(m)
     eye = torch.eye(m.shape[-2], dtype=m.dtype, device=m.device)
-    capped = 0.5 * (sigma_max * f + m - msign(sigma_max * eye - f @ m.mT) @ (sigma_max * f - m))
+    capped = 0.5 * (sigma_max * f + m - msign_svd(sigma_max * eye - f @ m.mT) @ (sigma_max * f - m))
     return capped / scale
 
 
 def soft_cap_alpha(k: float, sigma_max: float) -> float:
     """Smallest α ≥ 0 with p_α(k) = σ_max, i.e. root of −k⁹α⁴ + 3k⁷α³ − 3k⁵α² + (k − σ_max) = 0.
 
-    k bounds the norm a weight can reach in one step; 0 when k ≤ σ_max (nothing to cap)."""
+    k bounds the norm a weight can reach in one step; 0 when k ≤ σ_max (nothing to cap). Host
+    arithmetic on plain numbers (k comes from the learning rate, not from the weights)."""
     if k <= sigma_max:
         return 0.0
     roots = np.roots([-k ** 9, 3 * k ** 7, -3 * k ** 5, 0.0, k - sigma_max])
@@ -59,31 +157,54 @@ def soft_cap(weight: torch.Tensor, alpha: float) -> torch.Tensor:
     if alpha == 0:
         return weight
     scale = rms_scale(weight)
-    m = weight * scale
-    m = m - alpha * m @ (m.mT @ m)
-    m = m + alpha * m @ (m.mT @ m)
-    return m / scale
+    m, tall = _wide(weight * scale)
+    m = m - alpha * (m @ m.mT) @ m
+    m = m + alpha * (m @ m.mT) @ m
+    return (m.mT if tall else m) / scale
 
 
 def soft_cap_polynomial(sigma: torch.Tensor, alpha: float) -> torch.Tensor:
     return sigma - 3 * alpha ** 2 * sigma ** 5 + 3 * alpha ** 3 * sigma ** 7 - alpha ** 4 * sigma ** 9
 
 
-def hammer(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
+def _top_triplet(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(σ₁, u₁, v₁) of W by SVD: σ (...,), u (..., m), v (..., n)."""
+    u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+    return s[..., 0], u[..., :, 0], vh[..., 0, :]
+
+
+def _outer(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return u.unsqueeze(-1) * v.unsqueeze(-2)
+
+
+def hammer(weight: torch.Tensor, sigma_max: float,
+           top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Spectral hammer: W ← W + (σ_max − σ₁) u₁v₁ᵀ in RMS units — the top singular value is *set* to
     σ_max, raised when below it (Newhouse et al. 2025). The others are untouched, so one above σ_max
-    stays above it: the hammer was made for Adam's small steps, it is no cap."""
+    stays above it: the hammer was made for Adam's small steps, it is no cap.
+
+    ``top`` = (σ₁, u₁, v₁) of W (not of M), e.g. from a persistent power iteration; None: exact, by SVD."""
+    sigma, u, v = _top_triplet(weight) if top is None else top
     scale = rms_scale(weight)
-    u, s, vh = torch.linalg.svd(weight * scale, full_matrices=False)
-    change = sigma_max - s[..., 0]
-    return weight + change[..., None, None] * (u[..., :, :1] @ vh[..., :1, :]) / scale
+    change = sigma_max / scale - sigma  # in W's units
+    return weight + change[..., None, None] * _outer(u, v)
 
 
-def spectral_weight_decay(weight: torch.Tensor, strength: float) -> torch.Tensor:
+def spectral_weight_decay(weight: torch.Tensor, strength: float,
+                          top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Spectral weight decay: W ← W − λ·σ₁u₁v₁ᵀ, the top singular value shrunk by (1 − λ) and nothing
-    else (the reference code's fifth method; per step, not scaled by the learning rate)."""
-    u, s, vh = torch.linalg.svd(weight, full_matrices=False)
-    return weight - strength * s[..., :1, None] * (u[..., :, :1] @ vh[..., :1, :])
+    else (the reference code's fifth method; per step, not scaled by the learning rate). ``top`` as in
+    :func:`hammer`."""
+    sigma, u, v = _top_triplet(weight) if top is None else top
+    return weight - strength * sigma[..., None, None] * _outer(u, v)
+
+
+def normalise(weight: torch.Tensor, sigma_max: float, sigma: torch.Tensor | None = None) -> torch.Tensor:
+    """Spectral normalisation: W ← W / max(1, ‖W‖_RMS / σ_max). ``sigma``: σ₁ of W per matrix (e.g. a
+    power-iteration estimate, which lies below σ₁); None: exact."""
+    if sigma is None:
+        sigma = torch.linalg.matrix_norm(weight, ord=2)  # one per matrix of a stack
+    return weight / (sigma * rms_scale(weight) / sigma_max).clamp_min(1.0)[..., None, None]
 
 
 @torch.no_grad()
@@ -91,19 +212,18 @@ def orthogonal_rms_(weight: torch.Tensor, generator: torch.Generator | None = No
     """Initialise in place to a random (semi-)orthogonal matrix scaled so that every RMS→RMS singular
     value is 1, i.e. ‖W‖_RMS = 1 (the reference Lipschitz transformer's initialisation)."""
     m, n = weight.shape
-    gaussian = torch.randn(max(m, n), min(m, n), generator=generator, dtype=torch.float64)
+    gaussian = torch.randn(max(m, n), min(m, n), generator=generator, dtype=torch.float64, device="cpu")
     q, r = torch.linalg.qr(gaussian)
     q = q * torch.sign(torch.diagonal(r))  # uniform over orthogonal matrices
     q = q if m >= n else q.T
     return weight.copy_(q * (m / n) ** 0.5)
 
 
-def normalise(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
-    """Spectral normalisation: W ← W / max(1, ‖W‖_RMS / σ_max)."""
-    norms = torch.linalg.matrix_norm(weight, ord=2) * rms_scale(weight)  # one per matrix of a stack
-    return weight / (norms / sigma_max).clamp_min(1.0)[..., None, None]
-
-
 def rms_norm(weight: torch.Tensor) -> float:
-    """‖W‖_RMS→RMS = sqrt(d_in/d_out)·σ₁(W)."""
+    """‖W‖_RMS→RMS = sqrt(d_in/d_out)·σ₁(W) (exact; for tests and reports, not for per-step paths)."""
     return float(torch.linalg.matrix_norm(weight.detach(), ord=2)) * rms_scale(weight)
+
+
+__all__ = ["JORDAN_QUINTIC", "cubic_steps", "hammer", "hard_cap", "hard_cap_msign_formula", "hard_cap_svd", "msign",
+           "msign_svd", "newton_schulz", "normalise", "orthogonal_rms_", "rms_norm", "soft_cap", "soft_cap_alpha",
+           "soft_cap_polynomial", "spectral_weight_decay"]

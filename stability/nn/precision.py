@@ -1,0 +1,50 @@
+"""Float32 where numbers must be right, TF32 and bf16 where speed is the point.
+
+Training may run under bf16 autocast and with TF32 matmuls (10-bit mantissa) on NVIDIA GPUs. Some
+per-step computations cannot afford either: a softmax statistic such as 1 − p₁ + p₂ cancels in
+bf16, a Newton–Schulz iteration that should match an SVD to 1e-5 drifts under TF32, and a
+measurement reported as a number must not depend on the precision a run trained in.
+:func:`float32_math` gives such a block no autocast and IEEE float32 matmuls and convolutions, and
+restores the caller's settings afterwards (plain Python flags: no device sync).
+
+The flags are PyTorch's ``set_float32_matmul_precision`` and ``cudnn.allow_tf32``, the ones Lightning
+reads (mixing them with the newer ``fp32_precision`` attributes makes Lightning's check raise).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """Float32 matmuls and convolutions in full IEEE precision (no TF32) inside the block."""
+    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = conv
+
+
+@contextlib.contextmanager
+def float32_math(device_type: str) -> Iterator[None]:
+    """No autocast on ``device_type`` and IEEE float32 matmuls inside the block (the caller casts its
+    inputs to float32)."""
+    with torch.autocast(device_type=device_type, enabled=False), ieee_float32():
+        yield
+
+
+def allow_tf32_training() -> None:
+    """TF32 matmuls and convolutions for training on a CUDA GPU (Ampere and later: several times the
+    float32 throughput at a 10-bit mantissa); measurements and per-step constraints switch it off
+    locally with :func:`ieee_float32`."""
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+
+
+__all__ = ["allow_tf32_training", "float32_math", "ieee_float32"]
