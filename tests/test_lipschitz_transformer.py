@@ -100,8 +100,11 @@ def steps(module: ImageClassifier, count: int, check) -> None:
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
 @pytest.mark.parametrize("constraint", ["normalise", "hard_cap", "soft_cap"])
 def test_every_matrix_and_each_of_q_k_v_stays_at_sigma_max_after_every_step(constraint, optimizer):
+    # gradients of size 5 in random directions move every matrix far each step: normalise's power-iteration
+    # estimate cannot follow that (it is held to 1e-4 under realistic steps in test_muon), so it runs exactly here
+    method = "exact" if constraint == "normalise" else "iterative"
     module = lipschitz_transformer(muon={"constraint": constraint, "sigma_max": 0.7, "optimizer": optimizer,
-                                         "lr": 0.05 if optimizer == "muon" else 0.01})
+                                         "lr": 0.05 if optimizer == "muon" else 0.01, "method": method})
     names = [name for name, _ in constrained_matrices(module.network, "all")]
     assert any(n.endswith("patch_embed.proj.linear.weight") for n in names)
     assert any(n.endswith("head.weight") for n in names)
@@ -232,25 +235,31 @@ def test_margin_loss_is_its_formula_and_certifies_what_it_claims():
                              stabilizer="lipschitz_transformer,muon,lipschitz_margin",
                              stabilizer_options={"lipschitz_margin": {"eps": 0.05},
                                                  "muon": {"layers": "all", "constraint": "hard_cap"}})
-    network = module.network
+    network, margin_stab = module.network, module.stabilizers[2]
     with torch.no_grad():  # a network that is not constant (the zero-initialised head)
         for p in network.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn_like(p) * 3 / p.shape[1] ** 0.5)
     images, labels = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
-    logits, terms = module.losses(images, labels)
-    bound = float(pixel_bound(network)[0])
-    margin = math.sqrt(2) * bound * 0.05
+    exact = float(pixel_bound(network)[0])
+    estimates = []
+    for _ in range(8):  # the power-iteration estimates of the training bound: below the certified one, reaching it
+        logits, terms = module.losses(images, labels)
+        estimates.append(float(margin_stab.last_bound))
+    assert all(e <= exact * (1 + 1e-5) for e in estimates) and estimates[-1] == pytest.approx(exact, rel=1e-4)
+    margin = math.sqrt(2) * estimates[-1] * 0.05
     expected = nn.functional.cross_entropy(logits + margin * (1 - nn.functional.one_hot(labels, 10)), labels)
     torch.testing.assert_close(terms["task"], expected)
     torch.testing.assert_close(terms["cross_entropy"], nn.functional.cross_entropy(logits, labels).detach())
     terms["task"].backward()  # differentiable through the bound's σ₁'s
-    assert network.backbone.head.weight.grad is not None
-    # a point the margin-shifted logits classify correctly is certified at ε, and attacks at ε fail on it
+    assert network.backbone.head.weight.grad is not None and network.backbone.blocks[0].block.mlp.fc1.weight.grad \
+        is not None
+    # a point the margin-shifted logits classify correctly (with the certified L) is certified at ε, and
+    # attacks at ε fail on it
     network.eval()
     with torch.no_grad():
         z = network(images)
-    shifted = z + margin * (1 - nn.functional.one_hot(labels, 10))
+    shifted = z + math.sqrt(2) * exact * 0.05 * (1 - nn.functional.one_hot(labels, 10))
     fitted = shifted.argmax(-1) == labels
     radii = certified_radii(z, labels, certified_bound(network)[0])
     assert (radii[fitted] > 0.05).all()

@@ -77,7 +77,7 @@ def jacobian_norm(network: nn.Module, images: torch.Tensor, iterations: int = 10
         u = torch.zeros_like(out, requires_grad=True)
         (vjp,) = torch.autograd.grad(out, x, grad_outputs=u, create_graph=True)  # Jᵀu, linear in u
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        v = torch.randn(x.shape, generator=gen).to(x)
+        v = torch.randn(x.shape, generator=gen, device="cpu").to(x)  # seeded on the host, whatever the device
         for _ in range(iterations):
             v = v / _norms(v).clamp_min(1e-30).view(-1, *[1] * (v.ndim - 1))
             (jv,) = torch.autograd.grad(vjp, u, grad_outputs=v, retain_graph=True)  # J v, (B, K)
@@ -100,7 +100,7 @@ def empirical_lower_bound(network: nn.Module, images: torch.Tensor, radius: floa
         x = images.detach()
         with torch.no_grad():
             fx = network(x)
-        delta = torch.randn(x.shape, generator=gen).to(x)
+        delta = torch.randn(x.shape, generator=gen, device="cpu").to(x)
         delta = radius * delta / _norms(delta).view(-1, *[1] * (x.ndim - 1))
         best = torch.zeros(x.shape[0], device=x.device)
         for _ in range(steps + 1):

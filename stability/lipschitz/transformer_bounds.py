@@ -28,7 +28,8 @@ per-token RMS sizes, from the embedded tokens to the logits:
 L_att = (1/3)‖W_O‖‖W_V‖(1 + 2s·r²‖W_Q‖‖W_K‖), L_mlp = ‖W₂‖‖W₁‖, a block (1 − a) + a·L, the head
 ‖W_head‖; r propagated as above in RMS units (from the patch embedding of the pixel box).
 
-``differentiable=True`` keeps the graph through the σ₁'s (for the Lipschitz-margin loss).
+``differentiable=True`` keeps the graph through the σ₁'s (for the Lipschitz-margin loss); :func:`pixel_bound`
+also composes given σ₁ estimates (``sigmas``, by :func:`bound_matrices`' names), in their dtype.
 """
 from __future__ import annotations
 
@@ -42,24 +43,21 @@ from torch import nn
 from ..models import AttentionSite, ConvexResidualBlock, PatchLinear
 from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, ScaledGELU
 
-Norm = Callable[[torch.Tensor], torch.Tensor]
-
 
 class NotALipschitzTransformer(Exception):
     """The network is not the Lipschitz-transformer ViT these bounds are for."""
 
 
-def _sigma(differentiable: bool) -> Norm:
-    def sigma(weight: torch.Tensor) -> torch.Tensor:
-        w = weight if differentiable else weight.detach()
-        return torch.linalg.matrix_norm(w.double().reshape(w.shape[0], -1), ord=2)
-    return sigma
+def exact_sigma(weight: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """σ₁ of a matrix (a kernel is reshaped to out × rest), exact, in ``dtype``; differentiable."""
+    return torch.linalg.matrix_norm(weight.to(dtype).reshape(weight.shape[0], -1), ord=2)
 
 
-def _size(t: torch.Tensor | None, differentiable: bool) -> torch.Tensor:
+def _size(t: torch.Tensor | None, differentiable: bool, like: torch.Tensor) -> torch.Tensor:
+    """‖t‖ (0 for a missing bias), in ``like``'s dtype and on its device."""
     if t is None:
-        return torch.zeros((), dtype=torch.float64)
-    return (t if differentiable else t.detach()).double().norm()
+        return like.new_zeros(())
+    return (t if differentiable else t.detach()).to(like.dtype).norm()
 
 
 def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d, list[ConvexResidualBlock]]:
@@ -97,27 +95,30 @@ def _patch_size(backbone: VisionTransformer) -> tuple[int, int]:
     return tuple(proj.kernel_size)
 
 
-def _largest_patch(network: nn.Module, backbone: VisionTransformer) -> torch.Tensor:
+def _largest_patch(network: nn.Module, backbone: VisionTransformer, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The largest ℓ2 norm of a normalised patch of an image in [0, 1]ⁿ."""
-    mean, std = network.mean.flatten().double(), network.std.flatten().double()
+    mean, std = network.mean.flatten().to(dtype), network.std.flatten().to(dtype)
     pixel = torch.maximum(mean, 1 - mean) / std  # largest |normalised pixel| per channel
     kh, kw = _patch_size(backbone)
     return (pixel.pow(2) * kh * kw).sum().sqrt()
 
 
-def _token_size(backbone: VisionTransformer, embed, patch: torch.Tensor, sigma: Norm, differentiable: bool,
-                per_token: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """max over tokens of the size of an embedded token (``per_token`` measures a vector's size)."""
-    pos = backbone.pos_embed[0] if backbone.pos_embed is not None else None
-    pos = None if pos is None else (pos if differentiable else pos.detach()).double()
+def _token_size(backbone: VisionTransformer, embed_sigma: torch.Tensor, embed, patch: torch.Tensor,
+                differentiable: bool, per_token: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """max over tokens of the size of an embedded token (``per_token`` measures a vector's size):
+    ‖W_e‖·max‖patch‖ + max_i ‖b_e + pos_i‖, and the class token's ‖cls + pos_0‖."""
+    dtype = patch.dtype
+
+    def value(t: torch.Tensor) -> torch.Tensor:
+        return (t if differentiable else t.detach()).to(dtype)
+
+    pos = None if backbone.pos_embed is None else value(backbone.pos_embed[0])
     prefix = backbone.num_prefix_tokens
-    bias = embed.bias
-    bias = torch.zeros(embed.weight.shape[0], dtype=torch.float64) if bias is None else (
-        bias if differentiable else bias.detach()).double()
+    bias = patch.new_zeros(embed.weight.shape[0]) if embed.bias is None else value(embed.bias)
     shifts = bias + pos[prefix:] if pos is not None else bias[None]
-    size = sigma(embed.weight) * patch + per_token(shifts).max()
+    size = embed_sigma * patch + per_token(shifts).max()
     if prefix:
-        cls = (backbone.cls_token if differentiable else backbone.cls_token.detach()).double()[0, 0]
+        cls = value(backbone.cls_token)[0, 0]
         if pos is not None and not backbone.no_embed_class:
             cls = cls + pos[0]
         size = torch.maximum(size, per_token(cls[None]).max())
@@ -128,64 +129,90 @@ def _head_rows(attn: nn.Module, part: str, h: int) -> slice:
     return AttentionSite("", attn).head_rows(part, h)
 
 
-def pixel_bound(network: nn.Module, differentiable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bound of pixels → logits, bound of pixels → the head's input), ℓ2, on [0, 1]ⁿ (module docstring)."""
+def bound_matrices(network: nn.Module) -> dict[str, torch.Tensor]:
+    """Every matrix the pixel-space bound reads, by name, in a fixed order: the patch embedding
+    (``embed``), per block i and head h W_Q^h, W_K^h, W_V^h (rows of qkv: ``i.q<h>``…) and W_O^h (columns
+    of W_O: ``i.o<h>``), the whole W_O (``i.o``), the MLP (``i.fc1``, ``i.fc2``), and the ``head``.
+    They are views of the current weights (differentiable)."""
     backbone, embed, blocks = _parts(network)
-    sigma = _sigma(differentiable)
+    matrices = {"embed": embed.weight.reshape(embed.weight.shape[0], -1)}
+    for i, wrapper in enumerate(blocks):
+        attn, mlp = wrapper.block.attn, wrapper.block.mlp
+        weight, w_o, width = attn.qkv.weight, attn.proj.weight, attn.head_dim
+        for h in range(attn.num_heads):
+            for part in "qkv":
+                matrices[f"{i}.{part}{h}"] = weight[_head_rows(attn, part, h)]
+            matrices[f"{i}.o{h}"] = w_o[:, h * width:(h + 1) * width]
+        matrices[f"{i}.o"] = w_o
+        matrices[f"{i}.fc1"], matrices[f"{i}.fc2"] = mlp.fc1.weight, mlp.fc2.weight
+    matrices["head"] = backbone.head.weight
+    return matrices
+
+
+def pixel_bound(network: nn.Module, differentiable: bool = False,
+                sigmas: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bound of pixels → logits, bound of pixels → the head's input), ℓ2, on [0, 1]ⁿ (module docstring).
+
+    ``sigmas``: σ₁ of each of :func:`bound_matrices`, by name, in the dtype to compose in (e.g. float32
+    estimates from a power iteration, for a training loss); by default the exact values in float64, which
+    is what makes the result a certificate."""
+    backbone, embed, blocks = _parts(network)
+    if sigmas is None:
+        sigmas = {name: exact_sigma(m if differentiable else m.detach())
+                  for name, m in bound_matrices(network).items()}
+    dtype = sigmas["head"].dtype
     tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
-    r = _token_size(backbone, embed, _largest_patch(network, backbone), sigma, differentiable,
+    root = math.sqrt(tokens)
+    r = _token_size(backbone, sigmas["embed"], embed, _largest_patch(network, backbone, dtype), differentiable,
                     lambda t: t.norm(dim=-1))
-    bound = sigma(embed.weight) / network.std.double().min()
-    for wrapper in blocks:
+    bound = sigmas["embed"] / network.std.to(dtype).min()
+    for i, wrapper in enumerate(blocks):
         block, a = wrapper.block, wrapper.a
         attn = block.attn
         c = attn.kernel.s / attn.head_dim
-        weight, bias = attn.qkv.weight, attn.qkv.bias
-        w_o = attn.proj.weight
+        bias = attn.qkv.bias
         heads, values, w_o_heads = [], [], []
         for h in range(attn.num_heads):
-            w_q, w_k, w_v = (sigma(weight[_head_rows(attn, p, h)]) for p in "qkv")
-            b_q, b_k, b_v = (_size(None if bias is None else bias[_head_rows(attn, p, h)], differentiable)
+            w_q, w_k, w_v = (sigmas[f"{i}.{p}{h}"] for p in "qkv")
+            b_q, b_k, b_v = (_size(None if bias is None else bias[_head_rows(attn, p, h)], differentiable, r)
                              for p in "qkv")
             r_q, r_k, r_v = w_q * r + b_q, w_k * r + b_k, w_v * r + b_v
-            heads.append(math.sqrt(tokens) * w_v + c * r_v * (r_k * w_q + math.sqrt(tokens) * r_q * w_k))
+            heads.append(root * w_v + c * r_v * (r_k * w_q + root * r_q * w_k))
             values.append(r_v)
-            width = attn.head_dim
-            w_o_heads.append(sigma(w_o[:, h * width:(h + 1) * width]))
+            w_o_heads.append(sigmas[f"{i}.o{h}"])
         heads, values, w_o_heads = torch.stack(heads), torch.stack(values), torch.stack(w_o_heads)
-        whole = sigma(w_o)
+        whole = sigmas[f"{i}.o"]
         lip_att = torch.minimum(whole * heads.pow(2).sum().sqrt(), (w_o_heads * heads).sum()) / 3
         r_att = torch.minimum(whole * values.pow(2).sum().sqrt(), (w_o_heads * values).sum()) / 3 \
-            + _size(attn.proj.bias, differentiable)
+            + _size(attn.proj.bias, differentiable, r)
         bound = bound * ((1 - a) + a * lip_att)
         r = (1 - a) * r + a * r_att
         mlp = block.mlp
         act = 1.0 if isinstance(mlp.act, (ScaledGELU, nn.ReLU)) else GELU_LIPSCHITZ
-        w_1, w_2 = sigma(mlp.fc1.weight), sigma(mlp.fc2.weight)
+        w_1, w_2 = sigmas[f"{i}.fc1"], sigmas[f"{i}.fc2"]
         bound = bound * ((1 - a) + a * w_2 * act * w_1)
-        r_mlp = w_2 * act * (w_1 * r + _size(mlp.fc1.bias, differentiable)) + _size(mlp.fc2.bias, differentiable)
+        r_mlp = w_2 * act * (w_1 * r + _size(mlp.fc1.bias, differentiable, r)) + _size(mlp.fc2.bias, differentiable, r)
         r = (1 - a) * r + a * r_mlp
     if backbone.global_pool == "avg":
         bound = bound / math.sqrt(backbone.patch_embed.num_patches)
-    return bound * sigma(backbone.head.weight), bound
+    return bound * sigmas["head"], bound
 
 
 def paper_bound(network: nn.Module) -> float:
     """Newhouse et al.'s composition in RMS→RMS norms over per-token RMS sizes, embedded tokens →
     logits (module docstring). Comparable with the paper's figures; it certifies nothing in pixels."""
     backbone, embed, blocks = _parts(network)
-    sigma = _sigma(False)
 
     def rms(weight: torch.Tensor) -> torch.Tensor:  # ‖W‖_RMS→RMS = √(d_in/d_out)·σ₁
-        w = weight.reshape(weight.shape[0], -1)
-        return sigma(w) * math.sqrt(w.shape[1] / w.shape[0])
+        w = weight.detach().reshape(weight.shape[0], -1)
+        return exact_sigma(w) * math.sqrt(w.shape[1] / w.shape[0])
 
     d_patch = embed.weight.reshape(embed.weight.shape[0], -1).shape[1]
     patch_rms = _largest_patch(network, backbone) / math.sqrt(d_patch)
     width = embed.weight.shape[0]
-    r = _token_size(backbone, embed, patch_rms, rms, False,
+    r = _token_size(backbone, rms(embed.weight), embed, patch_rms, False,
                     lambda t: t.norm(dim=-1) / math.sqrt(width))  # ‖W_e‖_RMS·RMS(patch) + RMS(pos)
-    bound = torch.ones((), dtype=torch.float64)
+    bound = r.new_ones(())
     for wrapper in blocks:
         block, a = wrapper.block, wrapper.a
         attn, s = block.attn, block.attn.kernel.s

@@ -16,10 +16,13 @@ calls, for each selected stabilizer, in the order given:
 4. ``build_optimizer(network, default)`` once, to supply an optimizer instead of the
    default one (at most one selected stabilizer may do so); ``default(named_parameters)``
    builds the module's default optimizer, with its settings, over the parameters given;
-5. ``after_optimizer_step(network)`` after every optimizer step, to project weights;
+5. ``after_optimizer_step(network, global_step)`` after every optimizer step (the step's index), to
+   project weights;
    ``constrained_parameters(network)`` names the parameters it keeps norm-bounded that way — a
    stabilizer with ``wants_constrained_network`` makes the run list every parameter no one does;
-6. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound (a number or a
+6. ``signals()`` for values worth watching during training (a cap's excess, a soft cap's α), logged every
+   ``log_every_n_steps`` as ``stability/<name>/<key>`` and read only then (no host sync per step);
+7. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound (a number or a
    :class:`~stability.lipschitz.certified.Bound`), where the method has one (None otherwise —
    never a made-up number); ``labelled_bounds(network)`` for other bounds worth logging beside it
    that certify nothing in pixel space (e.g. a paper's own bound, in its own norms).
@@ -103,8 +106,12 @@ class Stabilizer:
     def on_device(self, device: torch.device) -> None:
         """Called before the first training forward pass on ``device`` (and again if it changes)."""
 
-    def after_optimizer_step(self, network: nn.Module) -> None:
-        """Project weights after each optimizer step."""
+    def after_optimizer_step(self, network: nn.Module, global_step: int = 0) -> None:
+        """Project weights after each optimizer step (``global_step``: the index of the step just taken)."""
+
+    def signals(self) -> dict[str, float | torch.Tensor]:
+        """Scalars to log every ``log_every_n_steps`` steps (read only then: device tensors stay on the device)."""
+        return {}
 
     def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:
         """The parameters whose norm this stabilizer bounds after every step."""

@@ -6,9 +6,16 @@ The task loss becomes the cross-entropy of the logits with √2·L·ε added to 
     CE(z + √2·L·ε·(1 − e_y), y),
 
 so that a training point is fitted only with a margin that certifies it at ℓ2 radius ε. L is the
-model's certified bound of pixels → logits, composed from the current weights: differentiably
-through the measured σ₁'s for the Lipschitz-transformer ViT (so the loss also pulls the bound
-down, as in the paper), otherwise the bound's value held constant for the step (LipsFormer).
+model's bound of pixels → logits, composed from the current weights.
+
+For the Lipschitz-transformer ViT, L is composed (:func:`~stability.lipschitz.transformer_bounds.pixel_bound`)
+from σ₁ estimates of every matrix by a persistent power iteration — one step per training step, as
+Tsuzuku et al. do (here a block of vectors with Rayleigh–Ritz, :class:`~stability.nn.spectral.SubspaceIteration`),
+on vectors kept as buffers of the network — in float32 with autocast off, and it is differentiable through
+them (σ̂ = uᵀWv with u, v held constant), so the loss also pulls the bound down.
+The estimates approach σ₁ from below, so the training L is at most the certified one; certification
+(at test) always uses the exact bound. For LipsFormer (ViT) the certified bound is recomputed exactly
+and held constant for the step (float64 and a host sync per step: that combination is not GPU-tuned).
 Soft labels (MixUp, CutMix) add the margin in proportion to 1 − y.
 """
 from __future__ import annotations
@@ -19,13 +26,22 @@ import torch
 from torch import nn
 
 from ..lipschitz.certified import certified_bound
-from ..lipschitz.transformer_bounds import NotALipschitzTransformer, pixel_bound
+from ..lipschitz.transformer_bounds import NotALipschitzTransformer, bound_matrices, pixel_bound
+from ..nn.precision import float32_math
+from ..nn.spectral import SubspaceIteration
 from .base import ForwardStep, Stabilizer, register_stabilizer
+
+PREFIX = "lipschitz_margin"
 
 
 @register_stabilizer
 class LipschitzMargin(Stabilizer):
-    """``--stabilizer lipschitz_margin``. Args: eps, the ℓ2 radius (pixel units) to train a margin for."""
+    """``--stabilizer lipschitz_margin``.
+
+    Args:
+        eps: the ℓ2 radius (pixel units) to train a margin for.
+        iterations: power-iteration steps per training step for the bound's σ₁'s (Lipschitz transformer).
+    """
 
     name = "lipschitz_margin"
     summary = "task loss CE(z + √2·L·ε·(1 − e_y)): a margin that certifies each training point at ℓ2 radius ε"
@@ -34,11 +50,16 @@ class LipschitzMargin(Stabilizer):
     needs = ("lipschitz_transformer",)  # or lipsformer: a model with a certified bound
     backbones = ("vit",)  # where the certified bounds are implemented
 
-    def __init__(self, eps: float = 0.5) -> None:
+    def __init__(self, eps: float = 0.5, iterations: int = 1) -> None:
         if eps < 0:
             raise ValueError(f"lipschitz_margin: eps must be >= 0, got {eps}")
-        self.eps = eps
+        if iterations < 1:
+            raise ValueError(f"lipschitz_margin: iterations must be >= 1, got {iterations}")
+        self.eps, self.iterations = eps, iterations
         self.bound_source = ""
+        self._names: list[str] = []
+        self._power: SubspaceIteration | None = None
+        self.last_bound: torch.Tensor | None = None  # the L of the last training step (detached, on the device)
 
     def prepare(self, network: nn.Module) -> None:
         bound, reason = certified_bound(network)
@@ -46,23 +67,44 @@ class LipschitzMargin(Stabilizer):
             raise ValueError(f"lipschitz_margin needs a model with a certified Lipschitz bound ({reason}); combine it "
                              f"with lipschitz_transformer (or lipsformer on ViT)")
         try:
-            pixel_bound(network)
-            self.bound_source = "differentiable (measured σ₁, Lipschitz transformer)"
+            matrices = bound_matrices(network)
         except NotALipschitzTransformer:
-            self.bound_source = "constant per step (measured)"
+            self.bound_source = "certified bound, exact, constant per step (LipsFormer)"
+            return
+        self.bound_source = "power-iteration σ₁ estimates, differentiable (Lipschitz transformer)"
+        self._names = list(matrices)
+        self._power = SubspaceIteration([(network, f"{PREFIX}_{i}") for i in range(len(self._names))],
+                                     [tuple(m.shape) for m in matrices.values()])
+        self._power.step([m.detach() for m in matrices.values()], iterations=30)  # warm start
+
+    def estimated_sigmas(self, network: nn.Module) -> dict[str, torch.Tensor]:
+        """σ̂ = uᵀWv of every matrix of the bound after one power-iteration step, float32, differentiable in W."""
+        matrices = bound_matrices(network)
+        weights = [matrices[name] for name in self._names]
+        sigmas: dict[str, torch.Tensor] = {}
+        for group in self._power.step(weights, self.iterations):
+            stacked = torch.stack([weights[i] for i in group.indices]).to(group.weight.dtype)  # with the graph
+            values = torch.einsum("gm,gmn,gn->g", group.u, stacked, group.v)
+            sigmas.update({self._names[i]: value for i, value in zip(group.indices, values.unbind(0))})
+        return sigmas
 
     def margin_bound(self, network: nn.Module) -> torch.Tensor:
-        """L: the certified bound of the current weights (with its graph where it is differentiable)."""
-        try:
-            return pixel_bound(network, differentiable=True)[0]
-        except NotALipschitzTransformer:
-            bound, reason = certified_bound(network)
-            if bound is None:
-                raise RuntimeError(f"lipschitz_margin: the model lost its certified bound ({reason})") from None
-            return torch.tensor(bound.value, dtype=torch.float64)
+        """L: the bound of the current weights (with its graph where it is differentiable)."""
+        if self._power is not None:
+            with float32_math(network.mean.device.type):
+                return pixel_bound(network, differentiable=True, sigmas=self.estimated_sigmas(network))[0]
+        bound, reason = certified_bound(network)
+        if bound is None:
+            raise RuntimeError(f"lipschitz_margin: the model lost its certified bound ({reason})")
+        return network.mean.new_tensor(bound.value)
 
     def task_loss(self, step: ForwardStep, default) -> torch.Tensor:
         logits, targets = step.logits, step.targets
         soft = targets if targets.ndim == 2 else nn.functional.one_hot(targets, logits.shape[-1]).to(logits.dtype)
-        margin = math.sqrt(2) * self.margin_bound(step.network).to(logits) * self.eps
-        return default(logits + margin * (1 - soft))
+        bound = self.margin_bound(step.network)
+        self.last_bound = bound.detach()
+        margin = math.sqrt(2) * bound.float() * self.eps
+        return default(logits.float() + margin * (1 - soft.float()))  # float32 under autocast too
+
+    def signals(self) -> dict[str, torch.Tensor]:
+        return {"bound": self.last_bound} if self.last_bound is not None else {}

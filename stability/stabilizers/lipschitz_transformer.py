@@ -110,7 +110,7 @@ class LipschitzTransformer(Stabilizer):
             rms = tokens.pow(2).mean(-1, keepdim=True).sqrt()
             tokens.mul_((self.token_rms / rms.clamp_min(1e-30)).clamp_max(1.0))
 
-    def after_optimizer_step(self, network: nn.Module) -> None:
+    def after_optimizer_step(self, network: nn.Module, global_step: int = 0) -> None:
         self._bound_tokens(network.backbone)
 
     def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:

@@ -131,7 +131,7 @@ class LipsFormer(Stabilizer):
                     lambda mod, args: shapes.__setitem__(mod, tuple(args[0].shape[1:]))))
         try:
             with torch.no_grad():
-                network(torch.zeros(1, in_chans, size, size))
+                network(network.mean.new_zeros(1, in_chans, size, size))
         finally:
             for h in handles:
                 h.remove()

@@ -19,6 +19,16 @@ After every step, on each matrix, in RMS→RMS units ‖W‖ = sqrt(d_in/d_out)�
   k = σ_max(1 − λη) + u bounds every weight's norm after the step: u is Muon's a-priori update bound
   η·B (:func:`newton_schulz_bound`), or the measured max_W ‖ΔW‖_RMS for AdamW).
 
+``method: iterative`` (the default) computes every constraint with matmuls only, in float32, batched by
+shape, without reading anything back to the host: the hard cap by the msign formula with a
+Newton–Schulz msign (its input scaled by k under Muon, so the values at the cap need no growth
+steps), ``normalise``, ``hammer`` and ``spectral_wd`` from the top singular triplet of a persistent
+block power iteration with Rayleigh–Ritz (:class:`~stability.nn.spectral.SubspaceIteration`,
+``power_iterations`` steps per training step, its vectors kept as buffers of each Linear), the soft cap as
+a polynomial. ``method: exact`` uses an SVD per matrix in float64 (slow; for comparison). Either way the
+certified bounds use norms measured from the weights, never the assumed σ_max. The soft cap's
+measured update norm (AdamW, or ``update_norm: measured``) needs an eigensolver: one host sync per step.
+
 ``layers`` picks the matrices: ``hidden`` (every Linear but the head) or ``all`` (the head too, and
 the patch embedding where it is a Linear, as in ``lipschitz_transformer``).
 """
@@ -32,13 +42,16 @@ from torch import nn
 
 from ..models import ROLES, linear_layers, linear_role, split_qkv
 from ..nn import constraints
-from ..nn.spectral import grouped_by_shape, rms_scale, spectral_norms
+from ..nn.precision import float32_math
+from ..nn.spectral import SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
 from ..optim_combined import CombinedOptimizer
 from .base import Stabilizer, register_stabilizer
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults (Keller Jordan's quintic)
+NS_COEFFICIENTS = constraints.JORDAN_QUINTIC  # torch.optim.Muon's defaults (Keller Jordan's quintic)
 CONSTRAINTS = ("none", "normalise", "hammer", "spectral_wd", "hard_cap", "soft_cap")
 LAYERS = ("hidden", "all")
+METHODS = ("iterative", "exact")
+POWER_CONSTRAINTS = ("normalise", "hammer", "spectral_wd")  # those that need the top singular triplet
 
 
 @functools.cache
@@ -64,16 +77,24 @@ def newton_schulz_bound(steps: int = 5, coefficients: tuple[float, float, float]
     return float(x.abs().max()) * margin
 
 
-def max_rms_norm(matrices: list[torch.Tensor]) -> float:
-    """max ‖W‖_RMS→RMS over the matrices."""
+def max_rms_norm(matrices: list[torch.Tensor], dtype: torch.dtype = torch.float64) -> float:
+    """max ‖W‖_RMS→RMS over the matrices (exact; a host sync). ``float32`` adds a relative margin of 1e-4
+    for its rounding, so that the value stays an upper bound."""
     scales = torch.tensor([rms_scale(w) for w in matrices], dtype=torch.float64)
-    return float((spectral_norms([w.detach() for w in matrices]).cpu() * scales).max())
+    norms = spectral_norms([w.detach() for w in matrices], dtype=dtype).double().cpu()
+    margin = 1.0 if dtype == torch.float64 else 1.0 + 1e-4
+    return float((norms * scales).max()) * margin
+
+
+def constrained_linears(network: nn.Module, layers: str = "hidden") -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the Linear layers ``layers`` selects, in module order."""
+    chosen = {id(m) for m in linear_layers(network, layers)}
+    return [(name, m) for name, m in network.named_modules() if id(m) in chosen]
 
 
 def constrained_matrices(network: nn.Module, layers: str = "hidden") -> list[tuple[str, nn.Parameter]]:
     """(name, weight) of the Linear layers ``layers`` selects, in module order."""
-    chosen = {id(m) for m in linear_layers(network, layers)}
-    return [(f"{name}.weight", m.weight) for name, m in network.named_modules() if id(m) in chosen]
+    return [(f"{name}.weight", m.weight) for name, m in constrained_linears(network, layers)]
 
 
 @register_stabilizer
@@ -94,6 +115,8 @@ class MuonConstrained(Stabilizer):
             missing roles keep 1.
         update_norm: how the soft cap knows the size of Muon's update: ``bound`` (a priori, see
             :func:`newton_schulz_bound`) or ``measured`` (the exact norm of every update; AdamW always).
+        method: ``iterative`` (matmuls only: Newton–Schulz, persistent power iteration) or ``exact`` (SVD).
+        power_iterations: power-iteration steps per training step (normalise, hammer, spectral_wd).
     """
 
     name = "muon"
@@ -108,7 +131,8 @@ class MuonConstrained(Stabilizer):
                  sigma_max: float = 1.0, spectral_wd: float = 0.1, optimizer: Literal["muon", "adamw"] = "muon",
                  layers: Literal["hidden", "all"] = "hidden", split_qkv: bool = True,
                  update_scales: dict[str, float] | None = None,
-                 update_norm: Literal["bound", "measured"] = "bound") -> None:
+                 update_norm: Literal["bound", "measured"] = "bound",
+                 method: Literal["iterative", "exact"] = "iterative", power_iterations: int = 2) -> None:
         if constraint not in CONSTRAINTS:
             raise ValueError(f"muon: constraint must be one of {CONSTRAINTS}, got {constraint!r}")
         if optimizer not in ("muon", "adamw"):
@@ -120,6 +144,10 @@ class MuonConstrained(Stabilizer):
                              f"{sigma_max}, {lr}, {weight_decay}, {spectral_wd}")
         if update_norm not in ("bound", "measured"):
             raise ValueError(f"muon: update_norm must be 'bound' or 'measured', got {update_norm!r}")
+        if method not in METHODS:
+            raise ValueError(f"muon: method must be one of {METHODS}, got {method!r}")
+        if power_iterations < 1:
+            raise ValueError(f"muon: power_iterations must be >= 1, got {power_iterations}")
         unknown = sorted(set(update_scales or {}) - set(ROLES))
         if unknown:
             raise ValueError(f"muon: update_scales has unknown roles {unknown}; valid: {list(ROLES)}")
@@ -127,23 +155,35 @@ class MuonConstrained(Stabilizer):
         self.weight_decay, self.constraint, self.sigma_max = weight_decay, constraint, sigma_max
         self.spectral_wd, self.optimizer, self.layers, self.split_qkv = spectral_wd, optimizer, layers, split_qkv
         self.update_scales, self.update_norm = dict(update_scales or {}), update_norm
+        self.method, self.power_iterations = method, power_iterations
+        self._linears: list[nn.Linear] = []
         self._matrices: list[nn.Parameter] = []
+        self._power: SubspaceIteration | None = None
         self._before: list[torch.Tensor] = []
         self._stepped = False
         self._muon: torch.optim.Optimizer | None = None
         self.last_alpha = 0.0
 
     def prepare(self, network: nn.Module) -> None:
-        """Split fused qkv projections and constrain the matrices from the start."""
+        """Split fused qkv projections, constrain the matrices from the start (exactly: this runs once)."""
         if self.split_qkv:
             split_qkv(network)
-        self._matrices = [p for _, p in constrained_matrices(network, self.layers)]
+        self._linears = [m for _, m in constrained_linears(network, self.layers)]
+        self._matrices = [m.weight for m in self._linears]
         if not self._matrices:
             raise ValueError(f"muon: the network has no Linear weights in layers={self.layers!r} to constrain")
-        self._project(largest=max_rms_norm(self._matrices))  # the soft cap maps the largest norm there is
+        if self.method == "iterative" and self.constraint in POWER_CONSTRAINTS:
+            self._power = SubspaceIteration.of_weights(self._linears, "muon")
+        largest = max_rms_norm(self._matrices)  # the soft cap maps the largest norm there is
+        self._project(largest, exact=True)
+        if self._power is not None:
+            self._power.step(self._matrices, iterations=30)  # warm start: the vectors of the projected weights
 
     def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:
         return [p for _, p in constrained_matrices(network, self.layers)] if self.constraint != "none" else []
+
+    def signals(self) -> dict[str, float]:
+        return {"soft_cap_alpha": self.last_alpha} if self.constraint == "soft_cap" else {}
 
     def build_optimizer(self, network, default):
         """Muon (or AdamW) on the matrices, one group per role, the module's default optimizer on the rest."""
@@ -183,43 +223,60 @@ class MuonConstrained(Stabilizer):
         self._stepped = True
 
     @torch.no_grad()
-    def after_optimizer_step(self, network: nn.Module) -> None:
+    def after_optimizer_step(self, network: nn.Module, global_step: int = 0) -> None:
         if not getattr(self, "_stepped", False):
             return
         self._stepped = False
         etas = self._etas()
         largest = self.sigma_max * (1 - self.weight_decay * min(etas))  # the least decay: the largest norm
-        if self.constraint == "soft_cap":
-            if self.measures_update:
-                largest += max_rms_norm([p - b for p, b in zip(self._matrices, self._before)])
-            else:
-                largest += max(etas) * newton_schulz_bound(self.ns_steps)
+        if self.measures_update:
+            largest += max_rms_norm([p - b for p, b in zip(self._matrices, self._before)], dtype=torch.float32)
+        elif self.optimizer == "muon":
+            largest += max(etas) * newton_schulz_bound(self.ns_steps)
+        else:
+            largest = None  # AdamW without a measured update: no a-priori bound on the step
         self._before = []
         self._project(largest)
 
     @torch.no_grad()
-    def _project(self, largest: float) -> None:
-        """Apply the constraint; the soft cap's α maps ``largest`` (k) to σ_max."""
+    def _project(self, largest: float | None, exact: bool = False) -> None:
+        """Apply the constraint to every matrix, batched by shape. ``largest`` (k) bounds every ‖W‖ after
+        the step where known: the soft cap's α maps it to σ_max, the hard cap scales by it."""
         if self.constraint == "none":
             return
         if self.constraint == "soft_cap":
             self.last_alpha = constraints.soft_cap_alpha(largest, self.sigma_max)
             if self.last_alpha == 0:
                 return  # no weight can have left the cap in this step
-        # The soft cap and normalise are matmuls and one norm, accurate enough in float32 (tests hold
-        # ‖W‖ ≤ σ_max to 1e-5); the SVD-based projections run in float64.
-        dtype = torch.float32 if self.constraint in ("soft_cap", "normalise") else torch.float64
-        for indices, stacked in grouped_by_shape([p.data for p in self._matrices]):  # batched per shape
-            w = stacked.to(torch.promote_types(stacked.dtype, dtype))
-            if self.constraint == "normalise":
-                w = constraints.normalise(w, self.sigma_max)
-            elif self.constraint == "hammer":
-                w = constraints.hammer(w, self.sigma_max)
-            elif self.constraint == "spectral_wd":
-                w = constraints.spectral_weight_decay(w, self.spectral_wd)
-            elif self.constraint == "hard_cap":
-                w = constraints.hard_cap(w, self.sigma_max)
-            else:
-                w = constraints.soft_cap(w, self.last_alpha)
-            for i, projected in zip(indices, w.to(stacked.dtype)):
-                self._matrices[i].copy_(projected)
+        exact = exact or self.method == "exact"
+        weights = [m.weight for m in self._linears]
+        device = weights[0].device
+        groups = self._power.step(weights, self.power_iterations) if (self._power is not None and not exact) \
+            else None
+        with float32_math(device.type):
+            for group in groups or self._groups_by_shape(weights, exact):
+                projected = self._constrain(group, largest, exact)
+                for i, w in zip(group.indices, projected):
+                    weights[i].copy_(w)
+
+    @staticmethod
+    def _groups_by_shape(weights: list[torch.Tensor], exact: bool) -> list[TopSingular]:
+        dtype = torch.float64 if exact else torch.float32
+        return [TopSingular(indices, stacked.to(dtype), None, None, None)
+                for indices, stacked in grouped_by_shape([w.detach() for w in weights])]
+
+    def _constrain(self, group: TopSingular, largest: float | None, exact: bool) -> torch.Tensor:
+        """The constrained matrices of one shape group (G, m, n)."""
+        w = group.weight
+        top = None if exact or group.sigma is None else (group.sigma, group.u, group.v)
+        if self.constraint == "normalise":
+            return constraints.normalise(w, self.sigma_max, None if top is None else top[0])
+        if self.constraint == "hammer":
+            return constraints.hammer(w, self.sigma_max, top)
+        if self.constraint == "spectral_wd":
+            return constraints.spectral_weight_decay(w, self.spectral_wd, top)
+        if self.constraint == "hard_cap":
+            if exact:
+                return constraints.hard_cap_svd(w, self.sigma_max)
+            return constraints.hard_cap(w, self.sigma_max, bound=largest)
+        return constraints.soft_cap(w, self.last_alpha)

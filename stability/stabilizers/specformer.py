@@ -5,7 +5,8 @@
 
 σ₁ by power iteration: one step per training step, under no_grad, on persistent vectors u, v
 (buffers of each attention module, so they are in the state dict and in checkpoints), then
-σ = uᵀ W v with the gradient of W only.
+σ = uᵀ W v with the gradient of W only — in float32 with autocast and TF32 off, whatever the
+training precision (the weights are float32 under mixed precision; bf16 would round σ by ~2⁻⁸).
 
 Heads: by default W^h is the true per-head projection, a block of d output rows of the fused
 qkv weight. ``blocks="columns"`` slices the part's (H·d × D) weight into H column blocks of
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import attention_sites
+from ..nn.precision import float32_math
 from ..nn.spectral import grouped_by_shape, power_iteration, sigma_from_vectors
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
@@ -75,8 +77,9 @@ class Specformer(Stabilizer):
         for site in sites:
             for part in PARTS:
                 w = head_blocks(site.qkv.weight, part, site.num_heads, self.blocks)
-                u = F.normalize(torch.randn(w.shape[:2], generator=generator), dim=-1)
-                v = F.normalize(torch.randn(w.shape[0], w.shape[2], generator=generator), dim=-1)
+                u = F.normalize(torch.randn(w.shape[:2], generator=generator, device="cpu"), dim=-1).to(w.device)
+                v = F.normalize(torch.randn(w.shape[0], w.shape[2], generator=generator, device="cpu"), dim=-1)
+                v = v.to(w.device)
                 site.module.register_buffer(f"specformer_u_{part}", u)
                 site.module.register_buffer(f"specformer_v_{part}", v)
 
@@ -89,22 +92,31 @@ class Specformer(Stabilizer):
         keys = [(site, part) for site in sites for part in PARTS]
         blocks = [head_blocks(site.qkv.weight, part, site.num_heads, self.blocks) for site, part in keys]
         sigmas: list[torch.Tensor] = [None] * len(keys)  # type: ignore[list-item]
-        for indices, stacked in grouped_by_shape(blocks):  # (G, H, m, n), differentiable in the weights
-            u = torch.stack([getattr(keys[i][0].module, f"specformer_u_{keys[i][1]}") for i in indices])
-            v = torch.stack([getattr(keys[i][0].module, f"specformer_v_{keys[i][1]}") for i in indices])
-            if update:
-                u, v = power_iteration(stacked.detach(), u, v, self.iterations)
-                for j, i in enumerate(indices):
-                    site, part = keys[i]
-                    getattr(site.module, f"specformer_u_{part}").copy_(u[j])
-                    getattr(site.module, f"specformer_v_{part}").copy_(v[j])
-            values = sigma_from_vectors(stacked, u, v)  # (G, H)
-            for j, i in enumerate(indices):
-                sigmas[i] = values[j]
+        with float32_math(blocks[0].device.type):
+            for indices, stacked in grouped_by_shape(blocks):  # (G, H, m, n), differentiable in the weights
+                dtype = torch.promote_types(stacked.dtype, torch.float32)  # float32 at least
+                self._iterate_and_evaluate(keys, indices, stacked.to(dtype), update, self.iterations, sigmas)
         out: dict[str, list[torch.Tensor]] = {p: [] for p in PARTS}
         for (_, part), sigma in zip(keys, sigmas):
             out[part].append(sigma)
         return out
+
+    @staticmethod
+    def _iterate_and_evaluate(keys, indices, stacked, update, iterations, sigmas) -> None:
+        """One shape group (G, H, m, n): the power-iteration step on its persistent vectors (when
+        ``update``), then σ = uᵀWv into ``sigmas``."""
+        vectors = [(getattr(keys[i][0].module, f"specformer_u_{keys[i][1]}"),
+                    getattr(keys[i][0].module, f"specformer_v_{keys[i][1]}")) for i in indices]
+        u = torch.stack([pair[0] for pair in vectors]).to(stacked.dtype)
+        v = torch.stack([pair[1] for pair in vectors]).to(stacked.dtype)
+        if update:
+            u, v = power_iteration(stacked.detach(), u, v, iterations)
+            for j, (u_buffer, v_buffer) in enumerate(vectors):
+                u_buffer.copy_(u[j])
+                v_buffer.copy_(v[j])
+        values = sigma_from_vectors(stacked, u, v)  # (G, H)
+        for j, i in enumerate(indices):
+            sigmas[i] = values[j]
 
     def penalty(self, network: nn.Module, update: bool = True) -> torch.Tensor:
         lams = self._lams()
