@@ -77,9 +77,10 @@ class ImageClassifier(L.LightningModule):
         for stab in sorted(self.stabilizers, key=lambda s: s.prepare_order):
             stab.prepare(self.network)
         self._stabilizers_device: torch.device | None = None
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        # validate_args=False: torchmetrics' argument checks read values back to the host at every update
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()  # exact means over uneven DDP shards
 
     @property
@@ -127,24 +128,37 @@ class ImageClassifier(L.LightningModule):
         return partial(F.cross_entropy, target=targets, label_smoothing=self.hparams.label_smoothing)
 
     def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """One step, with nothing read back to the host: per-step values are logged unsynchronised (rank 0's,
+        written every ``log_every_n_steps``), epoch means are reduced over the processes once, at the end."""
         images, targets = batch
         logits, terms = self.losses(images, targets)
         task = terms["task"]
         total = sum(term for name, term in terms.items() if name != CROSS_ENTROPY)
         for name, term in terms.items():
-            self.log(tags.loss(name), term, on_step=True, on_epoch=True, sync_dist=True)
+            self._log_step_and_epoch(tags.loss(name), term.detach())
         labels = targets.argmax(dim=-1) if targets.ndim == 2 else targets
-        self.train_acc(logits.detach(), labels)
-        self.log(tags.TRAIN_LOSS, total, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
+        self.train_acc.update(logits.detach(), labels)
+        self._log_step_and_epoch(tags.TRAIN_LOSS, total.detach(), prog_bar=True)
         self.log(tags.TRAIN_ACC, self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
-        self.log(tags.TRAIN_LR, self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
+        if self._writes_logs():  # a Python number becomes a device tensor when logged: only when it is written
+            self.log(tags.TRAIN_LR, self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         return {"loss": total, "task_loss": task.detach()}
+
+    def _log_step_and_epoch(self, tag: str, value: torch.Tensor, prog_bar: bool = False) -> None:
+        """``<tag>_step`` every step (no all-reduce) and ``<tag>_epoch``, the epoch mean over all processes."""
+        self.log(tags.per_step(tag), value, on_step=True, on_epoch=False, prog_bar=prog_bar)
+        self.log(tags.per_epoch(tag), value, on_step=False, on_epoch=True, sync_dist=True)
+
+    def _writes_logs(self) -> bool:
+        """True on the steps at which Lightning writes per-step logs ((step + 1) % log_every_n_steps == 0)."""
+        every = self.trainer.log_every_n_steps
+        return bool(every) and (self.global_step + 1) % every == 0
 
     def _evaluate(self, batch, stage: str, accuracy: MulticlassAccuracy, loss: MeanMetric) -> None:
         images, labels = batch
         logits = self.network(images)
         loss.update(F.cross_entropy(logits, labels), weight=len(labels))
-        accuracy(logits, labels)
+        accuracy.update(logits, labels)
         self.log(tags.stage_metric(stage, "loss"), loss, prog_bar=True)
         self.log(tags.stage_metric(stage, "acc"), accuracy, prog_bar=True)
 
@@ -206,9 +220,11 @@ class ImageClassifier(L.LightningModule):
         optimizer.step(closure=optimizer_closure)
         self.after_optimizer_step()
 
-    def after_optimizer_step(self) -> None:
-        """The stabilizers' projections after a step (constraints, spectral caps)."""
+    def after_optimizer_step(self, global_step: int | None = None) -> None:
+        """The stabilizers' projections after a step (constraints, spectral caps); ``global_step`` is the
+        index of the step just taken (default: the trainer's)."""
+        step = self.global_step if global_step is None else global_step
         for stab in self.stabilizers:
-            stab.after_optimizer_step(self.network)
+            stab.after_optimizer_step(self.network, global_step=step)
 
 

@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -36,11 +37,13 @@ from .callbacks import (
 )
 from .classifier import ImageClassifier
 from .data import ImageDataModule
+from .nn.precision import allow_tf32_training
 from .stabilizers import REGISTRY, stabilizer_names
 
 DEFAULT_DATA = "stability.data.Digits"
 LINKED_FROM_DATA = ("num_classes", "in_chans", "image_size", "mean", "std")
-TRAINER_DEFAULTS = {"max_epochs": 30, "log_every_n_steps": 10}
+# devices: 1 — Lightning's "auto" takes every GPU of a node and starts DDP; more than one is asked for explicitly.
+TRAINER_DEFAULTS = {"max_epochs": 30, "log_every_n_steps": 10, "devices": 1}
 
 
 def _option_groups() -> dict[str, type]:
@@ -195,10 +198,24 @@ class StabilityCLI(LightningCLI):
         directory's with ``--run_dir``, else the newest version_N that has one. Resuming writes into
         the same events, dropping what was logged after the checkpoint (TensorBoard's purge step)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        uses_cuda = config.trainer.get("accelerator") in ("auto", "gpu", "cuda", None) and torch.cuda.is_available()
+        if uses_cuda:
+            allow_tf32_training()
+        given = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        showing = config.trainer.get("enable_progress_bar") is not False
+        if showing and not any(isinstance(c, ProgressBar) for c in given):
+            # the bar reads the logged values back to the host whenever it redraws: as often as the logs are written
+            every = max(1, config.trainer.get("log_every_n_steps") or 1)
+            kwargs["callbacks"] = [*given, TQDMProgressBar(refresh_rate=every)]
         if config.trainer.get("logger") is None and "logger" not in kwargs:
             root = config.runs_dir
-            if root == "runs" and config.trainer.get("default_root_dir"):
-                root = config.trainer.default_root_dir
+            default_root = config.trainer.get("default_root_dir")
+            if default_root and root != "runs" and Path(default_root) != Path(root):
+                raise ValueError(f"--trainer.default_root_dir {default_root} and --runs_dir {root} both set where runs "
+                                 f"go; give one of them")
+            if root == "runs" and default_root:
+                root = default_root
             name, version = ("", "") if config.get("run_dir") else (
                 f"{self.datamodule.name}/{self.model.run_name}", None)
             save_dir = config.run_dir or root

@@ -52,6 +52,11 @@ def per_epoch(tag: str) -> str:
     return f"{tag}_epoch"
 
 
+def stabilizer_signal(stabilizer: str, signal: str) -> str:
+    """``stability/<stabilizer>/<signal>``: what a stabilizer reports of itself during training."""
+    return f"stability/{stabilizer}/{signal}"
+
+
 def group(name: str, stage: Stage = "fit") -> str:
     """A measurement group's prefix: ``lipschitz`` during fit, ``test_lipschitz`` at test."""
     return f"test_{name}" if stage == "test" else name

@@ -109,3 +109,13 @@ def test_monitors_skip_a_model_whose_weights_are_no_longer_finite(tmp_path, tiny
     assert exit_info.value.code == exit_codes.DIVERGED
     run = tmp_path / "runs" / "digits" / "vit" / "none" / "version_0"
     assert (run / "diverged.json").is_file()
+
+
+def test_stabilizers_report_their_signals_at_the_logging_steps(tmp_path, scalars, tiny_vit_args):
+    os.chdir(tmp_path)
+    main(["fit", *tiny_vit_args, "--stabilizer", "spectral_norm", "--trainer.max_epochs", "1",
+          "--trainer.limit_train_batches", "4", "--stability.log_every_n_steps", "2",
+          "--trainer.log_every_n_steps", "2", "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"])
+    run = tmp_path / "runs" / "digits" / "vit" / "spectral_norm" / "version_0"
+    assert scalars(run, "stability/spectral_norm/excess") == [0.0, 0.0]  # steps 2 and 4; no check has run yet
+    assert len(scalars(run, "stability/grad_norm")) == 2 and len(scalars(run, "train/lr")) == 2

@@ -59,6 +59,7 @@ def test_config_file_and_dotted_overrides(tmp_path, capsys):
     assert printed["data"]["init_args"]["image_size"] == 16
     default = print_config(capsys)
     assert default["stabilizer"] == "none" and default["trainer"]["max_epochs"] == 30
+    assert default["trainer"]["devices"] == 1  # not Lightning's "auto", which takes every GPU of a node
 
 
 @pytest.mark.parametrize("name", ["vit_digits", "swin_digits", "cswin_digits", "vit_cifar10", "swin_cifar10",
@@ -109,6 +110,8 @@ def test_stabilizer_options_reach_the_model_and_the_checkpoint(recorder, tmp_pat
     assert scalars(run, "loss/recorder_epoch")
     logged = yaml.safe_load((run / "hparams.yaml").read_text())
     assert logged["stabilizer"] == "recorder" and logged["recorder.weight"] == 0.25
+    # the HParams table lists the settings a user chose, not LightningCLI's own entries
+    assert not [k for k in logged if k.startswith("_") or "._" in k], sorted(logged)
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
     assert saved["stabilizer"] == ["recorder"] and saved["stabilizer_options"]["recorder"]["weight"] == 0.25
 
@@ -160,3 +163,15 @@ def test_print_config_shows_the_chosen_data_class_defaults(tmp_path, capsys):
     config.write_text("data:\n  class_path: stability.data.CIFAR100\n")
     printed = print_config(capsys, "--config", str(config))
     assert printed["data"]["init_args"]["horizontal_flip"] is True
+
+
+def test_default_root_dir_moves_the_runs_as_lightning_users_expect(tmp_path, tiny_vit_args, capsys):
+    os.chdir(tmp_path)
+    short = [*tiny_vit_args, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+             "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0"]
+    main(["fit", *short, "--trainer.default_root_dir", "elsewhere"])
+    assert (tmp_path / "elsewhere" / "digits" / "vit" / "none" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(SystemExit) as exit_info:  # two places for the same thing: say so, do not pick one
+        main(["fit", *short, "--trainer.default_root_dir", "a", "--runs_dir", "b"])
+    assert exit_info.value.code == 2 and "--runs_dir" in capsys.readouterr().err

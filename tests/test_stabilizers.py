@@ -60,7 +60,7 @@ def test_module_calls_every_hook_and_adds_the_loss_term(registered):
     trainer = _fit(module)
     assert rec.calls["loss"] == 3 and rec.calls["after_step"] == 3
     assert rec.prob_shapes == [(16, 2, 17, 17)]  # one ViT layer, 2 heads, 16 patches + CLS
-    assert "loss/recorder" in trainer.callback_metrics and "loss/task" in trainer.callback_metrics
+    assert "loss/recorder_epoch" in trainer.callback_metrics and "loss/task_epoch" in trainer.callback_metrics
     assert float(module.network.backbone.head.weight.abs().max()) <= 0.05 + 1e-7
     assert all(s.module.fused_attn for s in attention_sites(module.network.backbone))  # fused path restored
     assert rec.lipschitz_bound(module.network) == 3.0

@@ -272,3 +272,14 @@ def test_submitit_local_jobs_run_the_sweep_and_a_preempted_job_resumes(tmp_path)
     assert json.loads((run / "sweep_run.json").read_text())["resumed"]
     assert json.loads((tmp_path / "sweeps" / "submitted" / "seed=1" / "done.json").read_text())["status"] == \
         "completed"
+
+
+def test_workers_without_devices_give_each_run_one_visible_gpu(monkeypatch):
+    """Lightning's devices default is 1 here, so a run takes GPU 0 unless told otherwise: --workers without
+    --devices spreads the runs over the visible GPUs, one GPU each (CUDA_VISIBLE_DEVICES of each run)."""
+    from stability.sweep.runner import shared_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert shared_gpus(3) == ["3", "5", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert shared_gpus(2) == []  # no GPU: the runs share the CPU cores

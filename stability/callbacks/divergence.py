@@ -61,15 +61,28 @@ class DivergenceMonitor(L.Callback):
     objective actually optimised, which a stabilizer may have replaced, before additive
     regularisers, which can make the total negative); a non-finite total is divergence all the same.
 
+    Every step's losses stay on the device; every ``check_every_n_steps`` steps (by default the trainer's
+    ``log_every_n_steps``, when Lightning reads its logs anyway) and at the end of each epoch they are read
+    back at once — averaged over the processes under DDP, so that all of them judge the same numbers and
+    stop together — and fed to the detector step by step. The step and reason of a divergence are exact;
+    the run stops at the check that finds it, at most ``check_every_n_steps − 1`` steps later.
+
     Args:
         spike_factor, divergence_factor: see :class:`DivergenceDetector`.
+        check_every_n_steps: steps between reads (None: the trainer's ``log_every_n_steps``).
     """
 
-    def __init__(self, spike_factor: float = 3.0, divergence_factor: float = 100.0) -> None:
+    def __init__(self, spike_factor: float = 3.0, divergence_factor: float = 100.0,
+                 check_every_n_steps: int | None = None) -> None:
         if spike_factor <= 1 or divergence_factor <= spike_factor:
             raise ValueError(f"need 1 < spike_factor < divergence_factor; got {spike_factor}, {divergence_factor}")
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be >= 1 or None (the trainer's log_every_n_steps), got "
+                             f"{check_every_n_steps}")
         self.detector = DivergenceDetector(spike_factor, divergence_factor)
+        self.check_every_n_steps = check_every_n_steps
         self._step = 0
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, [task loss, total]) not yet judged
 
     @property
     def diverged(self) -> bool:
@@ -84,20 +97,40 @@ class DivergenceMonitor(L.Callback):
         self.detector.running = state_dict["running"]
         self.detector.steps, self.detector.spikes = state_dict["steps"], state_dict["spikes"]
 
+    def _every(self, trainer) -> int:
+        return self.check_every_n_steps or max(1, trainer.log_every_n_steps or 1)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._step = trainer.global_step  # the step this batch's loss belongs to
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not isinstance(outputs, dict) or outputs.get("loss") is None:
             return
-        total = float(outputs["loss"])
-        loss = total if not math.isfinite(total) else float(outputs.get("task_loss", total))
-        if trainer.world_size > 1:  # every process decides on the same (mean) loss, so all stop together
-            loss = float(trainer.strategy.reduce(torch.tensor(loss, device=pl_module.device), reduce_op="mean"))
-        if self.detector.update(loss, self._step):
-            trainer.should_stop = True
-            self._record_divergence(trainer)
-        pl_module.log(tags.LOSS_SPIKES, float(self.detector.spikes), on_step=True, on_epoch=False)
+        total = outputs["loss"].detach()
+        task = outputs.get("task_loss", total).detach()
+        self._pending.append((self._step, torch.stack([task.float(), total.float()])))
+        if (self._step + 1) % self._every(trainer) == 0:
+            self._judge(trainer)
+            pl_module.log(tags.LOSS_SPIKES, float(self.detector.spikes), on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._judge(trainer)  # the epoch's last steps, before validation and the checkpoint
+
+    def _judge(self, trainer) -> None:
+        """Read the pending losses (one host sync) and run the detector over them in step order."""
+        if not self._pending or self.diverged:
+            self._pending = []
+            return
+        steps = [step for step, _ in self._pending]
+        losses = torch.stack([pair for _, pair in self._pending])  # (steps, 2): task loss, total
+        self._pending = []
+        if trainer.world_size > 1:  # every process decides on the same (mean) losses, so all stop together
+            losses = trainer.strategy.reduce(losses, reduce_op="mean")
+        for step, (task, total) in zip(steps, losses.tolist()):
+            if self.detector.update(total if not math.isfinite(total) else task, step):
+                trainer.should_stop = True
+                self._record_divergence(trainer)
+                return
 
     def _record_divergence(self, trainer) -> None:
         step, reason = self.detector.diverged_at_step, self.detector.reason

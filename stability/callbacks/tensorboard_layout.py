@@ -18,18 +18,21 @@ CUSTOM_SCALARS = {
     "stability": {"loss terms": ["Multiline", [tags.per_step(tags.TRAIN_LOSS), r"loss/.*_step"]],
                   "gradient norms": ["Multiline", [rf"{tags.GRAD_NORM}.*"]],
                   "max |activation|": ["Multiline", [rf"{tags.ACT_MAX}/.*"]],
-                  "spikes": ["Multiline", [tags.LOSS_SPIKES, tags.DIVERGED_AT_STEP]]},
+                  "spikes": ["Multiline", [tags.LOSS_SPIKES, tags.DIVERGED_AT_STEP]],
+                  "stabilizers": ["Multiline", [r"stability/(?!grad_norm|act_max|loss_spikes|diverged_at_step).+"]]},
 }
 
 
 def run_hparams(pl_module: L.LightningModule, datamodule: L.LightningDataModule | None) -> dict[str, Any]:
-    """Flat hyperparameters: the module's, the selected stabilizers' options, the data's."""
-    params = {k: v for k, v in pl_module.hparams.items() if k not in ("stabilizer", "stabilizer_options")}
+    """Flat hyperparameters: the module's, the selected stabilizers' options, the data's — the settings a user
+    chose, without the entries LightningCLI adds for itself (``_instantiator``, ``_class_path``)."""
+    params = {k: v for k, v in pl_module.hparams.items()
+              if k not in ("stabilizer", "stabilizer_options") and not k.startswith("_")}
     params["stabilizer"] = "+".join(s.name for s in pl_module.stabilizers)
     for stab in pl_module.stabilizers:
         params.update({f"{stab.name}.{k}": v for k, v in stab.hparams().items()})
     if datamodule is not None:
-        params.update({f"data.{k}": v for k, v in datamodule.hparams.items()})
+        params.update({f"data.{k}": v for k, v in datamodule.hparams.items() if not k.startswith("_")})
         params["data"] = datamodule.name
     return params
 

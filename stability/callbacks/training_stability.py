@@ -1,7 +1,12 @@
 """Training-stability signals every ``log_every_n_steps`` steps: the global gradient norm and one
-per transformer block (``stability/grad_norm[/<block>]``), and the largest |activation| at the
-output of each block (``stability/act_max/<block>``). Divergence is
-:class:`~stability.callbacks.divergence.DivergenceMonitor`'s job."""
+per transformer block (``stability/grad_norm[/<block>]``), the largest |activation| at the output of
+each block (``stability/act_max/<block>``), and what each selected stabilizer reports of itself
+(``stability/<stabilizer>/<signal>``: a cap's excess, the soft cap's α, a margin's bound). Divergence is
+:class:`~stability.callbacks.divergence.DivergenceMonitor`'s job.
+
+Nothing is read back to the host here: the values are device tensors, computed only on the steps that
+log them (gradient norms with one fused kernel over all parameters), and Lightning reads them when it
+writes the logs."""
 from __future__ import annotations
 
 import lightning as L
@@ -12,19 +17,20 @@ from ..models import residual_sites
 
 
 class TrainingStability(L.Callback):
-    """Args: log_every_n_steps (0: never)."""
+    """Args: log_every_n_steps (0: never; the steps are those at which Lightning writes its logs when it
+    equals the trainer's ``log_every_n_steps``)."""
 
     def __init__(self, log_every_n_steps: int = 10) -> None:
         if log_every_n_steps < 0:
             raise ValueError(f"log_every_n_steps must be >= 0 (0: never), got {log_every_n_steps}")
         self.log_every_n_steps = log_every_n_steps
-        self._activations: dict[str, float] = {}
+        self._activations: dict[str, torch.Tensor] = {}
         self._handles: list = []
         self._blocks: dict = {}
         self._recording = False
 
     def _measuring(self, trainer) -> bool:
-        return self.log_every_n_steps > 0 and trainer.global_step % self.log_every_n_steps == 0
+        return self.log_every_n_steps > 0 and (trainer.global_step + 1) % self.log_every_n_steps == 0
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if not self.log_every_n_steps:
@@ -36,11 +42,12 @@ class TrainingStability(L.Callback):
     def _record(self, name):
         def hook(module, args, out):
             if module.training and self._recording:
-                self._activations[name] = float(out.detach().abs().max())
+                self._activations[name] = out.detach().abs().amax()
         return hook
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._recording = self._measuring(trainer)
+        self._activations = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._recording = False
@@ -48,18 +55,30 @@ class TrainingStability(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self._measuring(trainer):
             return
-        metrics = {}
+        metrics: dict[str, torch.Tensor | float] = {}
+        norms = {id(p): n for p, n in _gradient_norms(pl_module.parameters())}
         for name, block in self._blocks.items():
-            grads = [p.grad.detach().float().pow(2).sum() for p in block.parameters() if p.grad is not None]
-            if grads:
-                metrics[f"{tags.GRAD_NORM}/{name}"] = float(torch.stack(grads).sum().sqrt())
-        squares = [p.grad.detach().float().pow(2).sum() for p in pl_module.parameters() if p.grad is not None]
-        if squares:
-            metrics[tags.GRAD_NORM] = float(torch.stack(squares).sum().sqrt())
+            squares = [norms[id(p)].square() for p in block.parameters() if id(p) in norms]
+            if squares:
+                metrics[f"{tags.GRAD_NORM}/{name}"] = torch.stack(squares).sum().sqrt()
+        if norms:
+            metrics[tags.GRAD_NORM] = torch.stack([n.square() for n in norms.values()]).sum().sqrt()
         metrics.update({f"{tags.ACT_MAX}/{k}": v for k, v in self._activations.items()})
+        for stab in pl_module.stabilizers:
+            metrics.update({tags.stabilizer_signal(stab.name, k): v for k, v in stab.signals().items()})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _gradient_norms(parameters) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, ‖grad‖₂ in float32) for every parameter with a gradient, one fused call per dtype and device."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not with_grad:
+        return []
+    norms = torch._foreach_norm([p.grad.detach().float() if p.grad.dtype != torch.float32 else p.grad.detach()
+                                 for p in with_grad])
+    return list(zip(with_grad, norms))

@@ -77,8 +77,14 @@ class ImageDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=self._on_cuda(),  # page-locked batches: the copy to the GPU runs asynchronously
             drop_last=False,
         )
+
+    def _on_cuda(self) -> bool:
+        """True when the trainer this data module serves runs on a CUDA device."""
+        trainer = getattr(self, "trainer", None)
+        return trainer is not None and getattr(trainer, "root_device", torch.device("cpu")).type == "cuda"
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

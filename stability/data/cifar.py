@@ -52,7 +52,7 @@ class _CIFAR(ImageDataModule):
         self.download = download
         self.val_fraction = val_fraction
         self.split_seed = split_seed
-        self.save_hyperparameters()
+        self.save_hyperparameters(logger=False)  # logged by TensorBoardLayout, without LightningCLI's own entries
 
     @property
     def directory(self) -> Path:

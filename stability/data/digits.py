@@ -38,7 +38,7 @@ class Digits(ImageDataModule):
         # Statistics of the 8×8 images in [0, 1] (all 1,797; upsampling changes them little).
         self.mean = (0.3053,)
         self.std = (0.3760,)
-        self.save_hyperparameters()
+        self.save_hyperparameters(logger=False)  # logged by TensorBoardLayout, without LightningCLI's own entries
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

@@ -36,7 +36,7 @@ class ImageFolder(ImageDataModule):
                              f"got {len(mean)} and {len(std)}")
         self.mean, self.std = tuple(mean), tuple(std)
         self.num_classes = len(self._classes(self.root / "train"))
-        self.save_hyperparameters()
+        self.save_hyperparameters(logger=False)  # logged by TensorBoardLayout, without LightningCLI's own entries
 
     @staticmethod
     def _classes(split_dir: Path) -> list[str]:

@@ -34,7 +34,7 @@ class _IDXDataModule(ImageDataModule):
             raise ValueError(f"image_size must be >= 1, got {image_size}")
         self.root, self.download, self.image_size = Path(root), download, image_size
         self.val_fraction, self.split_seed = val_fraction, split_seed
-        self.save_hyperparameters()
+        self.save_hyperparameters(logger=False)  # logged by TensorBoardLayout, without LightningCLI's own entries
 
     @property
     def raw_folder(self) -> Path:

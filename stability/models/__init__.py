@@ -17,6 +17,7 @@ from .surgery import (
     replace_submodule,
     split_qkv,
     use_convex_residuals,
+    without_dropout,
 )
 from .view import (
     AttentionSite,
@@ -39,4 +40,5 @@ __all__ = [
     "explicit_attention", "linear_layers", "linear_patch_embedding", "linear_role", "norm_sites", "patch_embed",
     "remove_biases", "replace_activations", "replace_attention_kernel", "replace_attention_kernels",
     "replace_submodule", "residual_sites", "split_qkv", "supports_query_key_capture", "use_convex_residuals",
+    "without_dropout",
 ]

@@ -125,6 +125,17 @@ def remove_biases(network: nn.Module) -> int:
     return count
 
 
+def without_dropout(module: nn.Module) -> nn.Module:
+    """Dropout and stochastic depth off (p = 0), in place: a forward pass in training mode is then the same
+    function on any device and under any random state (for comparisons between devices and precisions)."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if hasattr(m, "drop_prob"):  # timm's DropPath
+            m.drop_prob = 0.0
+    return module
+
+
 def linear_role(name: str) -> str:
     """The part of the transformer a Linear layer (by dotted name) is: ``embed`` (patch embedding),
     ``qkv`` (fused or split Q, K, V), ``proj`` (attention output W_O), ``mlp``, ``head`` or ``other``."""

@@ -20,6 +20,7 @@ convention) is the share of points that survive every one of them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ import torch
 import torchattacks
 from pyautoattack import AutoAttack
 from torch import nn
+
+from ..nn.precision import float32_math
 
 ATTACKS = ("fgsm", "pgd", "autoattack", "autoattack_tap")
 NORMS = {"fgsm": ("Linf", "L2"), "pgd": ("Linf", "L2"), "autoattack": ("Linf", "L2", "L1"),
@@ -95,12 +98,14 @@ def gradients_allowed() -> Iterator[None]:
 
 @contextlib.contextmanager
 def evaluating(network: nn.Module) -> Iterator[None]:
-    """Eval mode and no autocast (float32 measurements under mixed precision) inside the block."""
+    """Eval mode, no autocast and IEEE float32 matmuls (no TF32) inside the block: measurements are
+    float32 whatever precision the run trains in."""
     was_training = network.training
     network.eval()
-    device = next(network.parameters()).device.type
+    tensor = next(itertools.chain(network.parameters(), network.buffers()), None)
+    device = "cpu" if tensor is None else tensor.device.type
     try:
-        with torch.autocast(device_type=device, enabled=False):
+        with float32_math(device):
             yield
     finally:
         network.train(was_training)
@@ -132,17 +137,22 @@ def correct(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> t
 
 def survivors(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, spec: AttackSpec,
               settings: AttackSettings, batch_index: int = 0) -> torch.Tensor:
-    """(B,) bool: the points of one batch still classified correctly after ``spec`` (seed
-    ``settings.seed + batch_index``). ε = 0 is clean correctness."""
+    """(B,) bool: the points of one batch classified correctly both as they are and after ``spec`` (seed
+    ``settings.seed + batch_index``). ε = 0 is clean correctness.
+
+    A point the network gets wrong is not robust, whatever an attack does to it: x itself lies in its ε-ball,
+    so robust accuracy ≤ clean accuracy on the same points (FGSM or PGD can push a wrong point into the right
+    class; the official AutoAttack never attacks wrong points)."""
     with gradients_allowed(), evaluating(network):
         images, labels = images.detach().float().clone(), labels.clone()  # ordinary tensors, even from inference mode
+        clean = correct(network, images, labels)
         if spec.eps == 0:
-            return correct(network, images, labels)
+            return clean
         seed = settings.seed + batch_index
         with torch.random.fork_rng(devices=[images.device] if images.is_cuda else []):
             torch.manual_seed(seed)
             adversarial = _attack(spec, network, settings, seed, images.device)(images, labels)
-        return correct(network, adversarial.detach(), labels)
+        return clean & correct(network, adversarial.detach(), labels)
 
 
 def evaluate_batch(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, specs: Sequence[AttackSpec],

@@ -6,7 +6,7 @@ import sys
 
 from .. import exit_codes
 from .emit import write_commands
-from .runner import Sweep, run_status
+from .runner import Sweep, run_status, shared_gpus
 from .spec import load_spec
 
 
@@ -20,7 +20,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run (repeat)")
     p.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
     p.add_argument("--sweeps_dir", default="runs/sweeps", help="root of sweeps (default runs/sweeps)")
-    p.add_argument("--workers", type=int, default=1, help="runs at once on this machine")
+    p.add_argument("--workers", type=int, default=1,
+                   help="runs at once on this machine (with GPUs and no --devices: spread over the visible GPUs, "
+                        "one GPU per run)")
     p.add_argument("--devices", help="comma-separated GPU ids, one per concurrent run (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--only", action="append", help="run only this run name (repeat); used by emitted commands")
     p.add_argument("--dry_run", action="store_true", help="list the runs and their status, run nothing")
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec, args)
         devices = [d for d in (args.devices or "").split(",") if d]
+        if not devices and args.workers > 1 and not args.submit:
+            devices = shared_gpus(args.workers)  # without --devices: one GPU per run, not every GPU for every run
         sweep = Sweep(spec, args.sweeps_dir, args.workers if not devices else max(args.workers, len(devices)),
                       devices)
         runs = sweep.select(args.only)

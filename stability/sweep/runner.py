@@ -27,6 +27,23 @@ from .. import exit_codes
 from .spec import Run, Spec
 
 
+def visible_gpus() -> list[str]:
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES where set, else every GPU torch counts."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def shared_gpus(workers: int) -> list[str]:
+    """One device slot per worker, the visible GPUs in turn (several runs share a GPU when there are more
+    workers than GPUs); empty without GPUs (the runs share the CPU cores)."""
+    gpus = visible_gpus()
+    return [gpus[i % len(gpus)] for i in range(workers)] if gpus else []
+
+
 def run_status(run_dir: Path) -> dict[str, Any] | None:
     """The ``done.json`` of a complete run, else None."""
     done = run_dir / "done.json"
