@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import shlex
 import statistics
 import sys
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stability.classifier import ImageClassifier  # noqa: E402
+from stability.machine import describe  # noqa: E402
 
 
 def arguments(description: str) -> argparse.ArgumentParser:
@@ -58,16 +58,18 @@ def build_module(backbone: str, size: str, stabilizer: str, options: dict | None
 
 
 def train_step(module: ImageClassifier, optimizer: torch.optim.Optimizer, images: torch.Tensor,
-               labels: torch.Tensor) -> float:
-    """One training step as Lightning runs it: forward with the stabilizers' terms, backward,
-    optimizer step, the stabilizers' projections."""
+               labels: torch.Tensor, precision: str = "fp32", step: int = 0) -> torch.Tensor:
+    """One training step as Lightning runs it: forward with the stabilizers' terms (under bf16 autocast for
+    ``precision="bf16"``, as ``--trainer.precision bf16-mixed``), backward, optimizer step, the stabilizers'
+    projections (``step``: the step's index). Returns the loss on the device (no host sync)."""
     optimizer.zero_grad(set_to_none=True)
-    _, terms = module.losses(images, labels)
-    loss = sum(terms.values())
+    with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        _, terms = module.losses(images, labels)
+        loss = sum(term for name, term in terms.items() if name != "cross_entropy")
     loss.backward()
     optimizer.step()
-    module.after_optimizer_step()
-    return float(loss.detach())
+    module.after_optimizer_step(step)
+    return loss.detach()
 
 
 def digits(image_size: int, batch: int, device: torch.device):
@@ -82,9 +84,11 @@ def digits(image_size: int, batch: int, device: torch.device):
 
 
 def train_epochs(module, optimizer, loader, epochs: int, device: torch.device) -> None:
+    step = 0
     for _ in range(epochs):
         for images, labels in loader:
-            train_step(module, optimizer, images.to(device), labels.to(device))
+            train_step(module, optimizer, images.to(device), labels.to(device), step=step)
+            step += 1
 
 
 def time_once(fn: Callable[[], Any], device: torch.device) -> float:
@@ -119,8 +123,10 @@ def interleaved(cases: dict[str, Callable[[], Any]], device: torch.device, repea
 
 
 def peak_memory(fn: Callable[[], Any], device: torch.device) -> float:
-    """Bytes: on CUDA the peak allocated during ``fn``; on CPU (which keeps no such count) the
-    tensors saved for backward during ``fn`` (each storage once), the part a stabilizer adds to."""
+    """Bytes of one call of ``fn`` after a warm-up call (caches, optimizer state and persistent buffers exist by
+    then, as in a running job): on CUDA the peak allocated above what was allocated before; on CPU (which keeps
+    no such count) the tensors saved for backward (each storage once), the part a stabilizer adds to."""
+    fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -145,11 +151,7 @@ def memory_label(device: torch.device) -> str:
 
 
 def environment(device: torch.device) -> str:
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
-    else:
-        where = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads"
-    return f"{where}; torch {torch.__version__}; Python {platform.python_version()}"
+    return describe(device)
 
 
 def command_line() -> str:

@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--autoattack_points", type=int, default=32, help="AutoAttack is slow: fewer points")
     p.add_argument("--train_epochs", type=int, default=5, help="train on digits first")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="of the training step the measurements are compared with (they run in float32 either way)")
     args = p.parse_args()
     device = setup(args)
     if args.quick:
@@ -56,7 +58,7 @@ def main() -> None:
             return certified_radii(transformer.network(images), labels, bound)
 
     cases = {
-        "training step": lambda: train_step(module, optimizer, images, labels),
+        "training step": lambda: train_step(module, optimizer, images, labels, args.precision),
         "local Lipschitz, power, 1 iteration": lambda: jacobian_norm(network, images, 1),
         f"local Lipschitz, power, {iters} iterations": lambda: jacobian_norm(network, images, iters),
         "local Lipschitz, exact (one VJP per logit)": lambda: jacobian_norm(network, images, method="exact"),
@@ -94,7 +96,8 @@ def main() -> None:
                  1000 * per_iteration / args.batch, args.batch / per_iteration, f"{per_iteration / step:.2f}",
                  f"{per_iteration / step:.2f}", ""])
     body = (f"Micro ViT trained {args.train_epochs} epochs on digits at {image_size}×{image_size} ({args.tokens} "
-            f"tokens), batch {args.batch}; median of {args.repeats} interleaved runs "
+            f"tokens), batch {args.batch}, training step in {args.precision} (the measurements run in float32 whatever "
+            f"the training precision); median of {args.repeats} interleaved runs "
             f"(AutoAttack: one run on {args.autoattack_points} points). `× training step`: time / one training step on "
             f"the same batch; `step-equivalents / point`: time per point / training time per point.\n\n"
             + markdown(["measurement", "ms", "points", "ms / point", "points / s", "× training step",

@@ -19,6 +19,7 @@ import torch
 from stability.classifier import ImageClassifier
 from stability.data import Digits
 from stability.lipschitz.certified import certified_bound
+from stability.machine import describe
 from stability.robustness import (
     AttackSettings,
     AttackSpec,
@@ -40,17 +41,19 @@ def main() -> None:
     parser.add_argument("--out", default="results/autoattack_comparison.md")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS),
                         help="a subset of the models (default: all four)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the checkpoints are attacked (default: the GPU where there is one)")
     args = parser.parse_args()
     data = Digits()
     data.setup()
-    images, labels = data.test_set.tensors
+    images, labels = (t.to(args.device) for t in data.test_set.tensors)
     header = ["model", "ε", "clean", "PGD-10", "AutoAttack (torchattacks)", "AutoAttack (official)", "worst case",
               "certified", "s / point: PGD", "torchattacks AA", "official AA"]
     rows, started = [], time.time()
     for label in args.models:
         index = MODELS[label]
         ckpt = max((ROOT / args.runs_dir / str(index)).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-        network = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").network.eval()
+        network = ImageClassifier.load_from_checkpoint(ckpt, map_location=args.device).network.eval()
         bound, _ = certified_bound(network)
         with torch.no_grad():
             radii = certified_radii(network(images), labels, bound) if bound else None
@@ -74,7 +77,8 @@ def main() -> None:
     minutes = (time.time() - started) / 60
     cell = lambda v: v if isinstance(v, str) else f"{v:.3g}"  # noqa: E731
     lines = ["# Official AutoAttack vs torchattacks' AutoAttack on digits", "",
-             f"Made by `python experiments/autoattack_comparison.py` on 2 CPU cores in {minutes:.0f} min, from the "
+             f"Made by `python experiments/autoattack_comparison.py` on {describe(args.device)} in {minutes:.0f} min, "
+             "from the "
              "checkpoints of `python experiments/stabilizers_table.py --data digits --epochs 30 --seed 0` (micro ViT). "
              "Whole test "
              "split (270 images), ℓ∞; accuracies are fractions; the worst case is the share of points that survive "

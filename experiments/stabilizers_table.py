@@ -32,6 +32,7 @@ from stability.data import MNIST, Digits
 from stability.lipschitz import jacobian_norm
 from stability.lipschitz.certified import certified_bound
 from stability.lipschitz.transformer_bounds import NotALipschitzTransformer, paper_bound
+from stability.machine import describe
 from stability.models import attention_sites, capture_attention, linear_layers
 from stability.nn.constraints import rms_norm
 from stability.nn.softmax_bounds import g_k
@@ -130,8 +131,8 @@ def write_table(rows: list, args: argparse.Namespace, setting: dict, epochs: int
     command = (f"python experiments/stabilizers_table.py --data {args.data} --epochs {epochs} --seed {args.seed} "
                f"--autoattack_points {args.autoattack_points}")
     lines = [f"# Stabilizers on {args.data} (micro ViT, {epochs} epochs, seed {args.seed})", "",
-             f"Made by `{command}` on 2 CPU cores in {minutes:.0f} min. One seed: differences of a few points "
-             "of accuracy between rows are within seed-to-seed spread (see the studies for several seeds). "
+             f"Made by `{command}` on {describe(args.device)} in {minutes:.0f} min. One seed: differences of a few "
+             "points of accuracy between rows are within seed-to-seed spread (see the studies for several seeds). "
              f"Test accuracy is on all {total} test images; the controlled quantities on the first {points}.", "",
              "| stabilizer | test acc | " + " | ".join(keys) + " | fit time (s) |",
              "|---" * (len(keys) + 3) + "|"]
@@ -164,13 +165,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, help="default: the data set's (digits 30, mnist 6)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--autoattack_points", type=int, help="default: the data set's (digits 100, mnist 200)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the checkpoints are measured (default: the GPU where there is one)")
     args = parser.parse_args()
     setting = DATASETS[args.data]
     args.autoattack_points = args.autoattack_points or setting["autoattack_points"]
     epochs = args.epochs or setting["epochs"]
     runs_root, out = f"runs/stabilizers_{args.data}", ROOT / f"results/stabilizers_{args.data}.md"
     data = Digits() if args.data == "digits" else MNIST(root=str(ROOT / "data"))
-    images, labels = test_tensors(data)
+    images, labels = (t.to(args.device) for t in test_tensors(data))
     rows, started_all = [], time.time()
     for index, (label, extra) in enumerate(RUNS):
         runs_dir = f"{runs_root}/{index}"
@@ -193,7 +196,7 @@ def main() -> None:
         if returncode == exit_codes.DIVERGED:  # a result, recorded as such
             label += " (diverged)"
         ckpt = max((ROOT / runs_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-        network = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu").eval().network
+        network = ImageClassifier.load_from_checkpoint(ckpt, map_location=args.device).eval().network
         accuracy = float((predict(network, images).argmax(-1) == labels).float().mean())
         measured = time.time()
         robust = robustness(network, images, labels, setting, args.autoattack_points)

@@ -22,14 +22,24 @@ def table_rows(text: str) -> list[list[str]]:
 
 def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
     text = run_benchmark("step_cost.py", tmp_path / "step.md")
-    rows = {row[3]: row for row in table_rows(text)}
-    assert {"none", "jasmin k=10", "jasmin k=10, streamed", "specformer", "spectral_norm project", "lipsformer",
-            "muon soft_cap"} <= set(rows)
-    assert rows["none"][5].startswith("1.00×")
-    assert rows["specformer"][6] == "≤ 1.10×"
-    assert rows["specformer"][7] == "met" or rows["specformer"][7].startswith("missed by ")
-    assert "(muon (no constraint))" in rows["muon soft_cap"][5]
-    assert all(float(row[4]) > 0 and float(row[8]) > 0 for row in rows.values())
+    rows = {row[4]: row for row in table_rows(text)}
+    assert {"none", "jasmin k=10", "jasmin k=10, streamed", "specformer", "spectral_norm project",
+            "spectral_norm project, at the cap", "spectral_norm project, exact, at the cap", "lipsformer",
+            "muon soft_cap", "muon hard_cap", "muon hard_cap, exact"} <= set(rows)
+    assert any(label.startswith("spectral_norm project, at the cap + exact check every 100 steps") for label in rows)
+    assert rows["none"][6].startswith("1.00×") and rows["none"][3] == "fp32"
+    assert rows["specformer"][7] == "≤ 1.10×" and rows["muon hard_cap"][7] == "≤ 1.30×"
+    assert rows["specformer"][8] == "met" or rows["specformer"][8].startswith("missed by ")
+    assert "(muon (no constraint))" in rows["muon soft_cap"][6]
+    assert all(float(row[5]) > 0 and float(row[9]) > 0 for row in rows.values())
+
+
+def test_gpu_check_says_in_one_line_that_there_is_no_gpu(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    said = (done.stdout + done.stderr).strip()
+    assert done.returncode == 2 and len(said.splitlines()) == 1, said
+    assert "no CUDA GPU" in done.stdout + done.stderr
 
 
 def test_measurement_cost_relates_every_measurement_to_a_training_step(tmp_path):
@@ -47,3 +57,25 @@ def test_estimator_accuracy_power_iteration_never_exceeds_the_exact_norm(tmp_pat
     for row in table_rows(power):
         assert float(row[3]) <= 1e-4  # a lower bound: (estimate - exact) / exact ≤ 0 up to rounding
     assert len(table_rows(specformer)) >= 2
+
+
+def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
+    """The script's own logic (a fit and its checks, the GPU-vs-CPU comparison, the report, sections run in separate
+    calls and kept), run on the CPU against itself: it proves nothing about a GPU, but a GPU session finds no bug of
+    the script's own."""
+    out = tmp_path / "check.md"
+
+    def check(*args: str) -> None:
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu_dry_run", *args,
+                               "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    check("--sections", "runs", "--cases", "none:vit", "--epochs", "1", "--attack_points", "64",
+          "--autoattack_points", "4")
+    check("--sections", "compare", "--cases", "none:vit,spectral_norm:swin")
+    text = out.read_text()
+    assert "## runs: passed" in text and "## compare: passed" in text and "| spectral_norm | swin |" in text
+    state = __import__("json").loads(out.with_suffix(".json").read_text())
+    (run,) = state["runs"]["rows"]
+    assert run["backbone"] == "vit" and 0 <= run["clean"] <= 1 and run["autoattack points"] == 4
+    assert len(state["compare"]["rows"]) == 2
