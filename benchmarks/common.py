@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+STARTED = time.time()  # the table says how long its run took
 sys.path.insert(0, str(ROOT))
 
 from stability.classifier import ImageClassifier  # noqa: E402
@@ -166,7 +167,8 @@ def command_line() -> str:
 def write(name: str, args: argparse.Namespace, device: torch.device, title: str, body: str) -> Path:
     out = Path(args.out) if args.out else ROOT / "results" / "benchmarks" / f"{name}_{device.type}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = f"# {title}\n\nMade by `{command_line()}` on {environment(device)}.\n\n{body}\n"
+    minutes = (time.time() - STARTED) / 60
+    text = f"# {title}\n\nMade by `{command_line()}` on {environment(device)}, in {minutes:.1f} min.\n\n{body}\n"
     out.write_text(text)
     print(text)
     print(f"wrote {out}")
