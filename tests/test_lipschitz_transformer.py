@@ -181,7 +181,8 @@ def box_points(n: int = 8) -> torch.Tensor:
                       torch.randint(0, 2, (n, 1, 8, 8), generator=gen).double()])  # box corners too
 
 
-@pytest.mark.parametrize("scale, attention_scale, biases", [(1.0, 1.0, False), (3.0, 4.0, True), (6.0, 16.0, False)])
+@pytest.mark.parametrize("scale, attention_scale, biases", [(1.0, 1.0, False), (3.0, 4.0, True), (6.0, 16.0, False),
+                                                          (2.0, 0.05, False), (4.0, 0.3, True)])
 def test_pixel_bound_is_above_the_exact_jacobian_norm_in_the_box(scale, attention_scale, biases):
     torch.manual_seed(1)
     network = sharpened(lipschitz_transformer(attention_scale=attention_scale, biases=biases), scale)
@@ -198,6 +199,23 @@ def test_pixel_bound_is_above_the_exact_jacobian_norm_in_the_box(scale, attentio
     assert float(torch.linalg.matrix_norm(head_input.flatten(2), ord=2).max()) <= bound.features
     assert bound.value == pytest.approx(bound.features * float(torch.linalg.matrix_norm(
         network.backbone.head.weight.double(), ord=2)))
+
+
+@pytest.mark.parametrize("tokens", [2, 5, 17])
+@pytest.mark.parametrize("width", [0.0, 0.3, 2.0, 10.0])
+def test_column_sum_bound_holds_and_is_reached(tokens, width):
+    from stability.lipschitz.transformer_bounds import column_sum_bound
+    kappa = float(column_sum_bound(tokens, torch.tensor(width, dtype=torch.float64)))
+    gen = torch.Generator().manual_seed(tokens)
+    logits = torch.cat([torch.rand(200, tokens, tokens, generator=gen, dtype=torch.float64),
+                        torch.randint(0, 2, (200, tokens, tokens), generator=gen).double()]) * width
+    attention = logits.softmax(-1)
+    assert float(attention.sum(-2).max()) <= kappa + 1e-12
+    assert float(torch.linalg.matrix_norm(attention, ord=2).max()) ** 2 <= kappa + 1e-12
+    one_column_high = torch.zeros(tokens, tokens, dtype=torch.float64)
+    one_column_high[:, 0] = width  # every row puts its largest logit on token 0: κ is reached
+    assert float(one_column_high.softmax(-1).sum(0)[0]) == pytest.approx(kappa, rel=1e-12)
+    assert 1.0 <= kappa <= tokens
 
 
 def paper_norm_lower_estimate(network: nn.Module, images: torch.Tensor) -> float:
@@ -271,3 +289,49 @@ def test_margin_loss_is_its_formula_and_certifies_what_it_claims():
 def test_margin_loss_needs_a_certified_bound():
     with pytest.raises(ValueError, match="needs a model with a certified Lipschitz bound"):
         ImageClassifier(backbone_options=VIT, stabilizer="lipschitz_margin")
+
+
+@pytest.mark.parametrize("logit_scale", [1.0, 32.0])
+def test_the_logit_scale_is_part_of_the_model_and_of_both_bounds(logit_scale):
+    """logits = c·W_head·h: the pixel bound (≥ the exact Jacobian norm, checked) and the paper's bound grow by
+    c; the certified radii, margin/(√2·L) and per class pair, do not change."""
+    torch.manual_seed(1)
+    plain = sharpened(lipschitz_transformer(attention_scale=4.0), 2.0)
+    scaled = sharpened(lipschitz_transformer(attention_scale=4.0, logit_scale=logit_scale), 2.0)
+    scaled.load_state_dict(plain.state_dict())
+    images = box_points()
+    torch.testing.assert_close(scaled(images), logit_scale * plain(images))
+    bound, plain_bound = certified_bound(scaled)[0], certified_bound(plain)[0]
+    assert bound.value == pytest.approx(logit_scale * plain_bound.value, rel=1e-9)
+    assert float(jacobian_norm(scaled, images, method="exact").max()) <= bound.value
+    assert paper_bound(scaled) == pytest.approx(logit_scale * paper_bound(plain), rel=1e-9)
+    labels = plain(images).argmax(-1)
+    torch.testing.assert_close(certified_radii(scaled(images), labels, bound),
+                               certified_radii(plain(images), labels, plain_bound), rtol=1e-9, atol=0)
+    with pytest.raises(ValueError, match="logit_scale > 0"):
+        lipschitz_transformer(logit_scale=0.0)
+
+
+def test_the_logit_scale_survives_a_checkpoint_reload():
+    module = lipschitz_transformer(muon={}, logit_scale=16.0)
+    again = ImageClassifier(**{k: v for k, v in module.hparams.items() if not k.startswith("_")})
+    again.load_state_dict(module.state_dict())
+    assert again.network.logit_scale == 16.0
+    x = torch.rand(2, 1, 8, 8)
+    torch.testing.assert_close(again(x), module(x))
+
+
+def test_margin_loss_with_a_temperature_is_its_formula():
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2),
+                             stabilizer="lipschitz_transformer,lipschitz_margin",
+                             stabilizer_options={"lipschitz_margin": {"eps": 0.1, "temperature": 8.0}})
+    with torch.no_grad():
+        for p in module.network.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    images, labels = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    logits, terms = module.losses(images, labels)
+    margin = math.sqrt(2) * float(module.stabilizers[1].last_bound) * 0.1
+    shifted = logits + margin * (1 - nn.functional.one_hot(labels, 10))
+    torch.testing.assert_close(terms["task"], nn.functional.cross_entropy(8.0 * shifted, labels) / 8.0)

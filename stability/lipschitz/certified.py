@@ -129,14 +129,15 @@ def _vit(network: nn.Module) -> tuple[VisionTransformer, torch.Tensor]:
     return backbone, proj.weight
 
 
-def _with_head(features: float, backbone: VisionTransformer, label: str, domain: str) -> Bound:
-    """The bound through the final norms (pooling is 1-Lipschitz) and the classifier head, keeping the
-    bound of the head's input for the per-class-pair refinement."""
+def _with_head(features: float, network: nn.Module, backbone: VisionTransformer, label: str, domain: str) -> Bound:
+    """The bound through the final norms (pooling is 1-Lipschitz), the classifier head and the network's logit
+    scale c, keeping the bound of the head's input and c·W_head for the per-class-pair refinement."""
     features *= norm_lipschitz(backbone.norm) * norm_lipschitz(backbone.fc_norm)
     head = backbone.head
     if not isinstance(head, nn.Linear):
         raise Unbounded(f"classifier head {type(head).__name__} is not a Linear layer")
-    return Bound(features * sigma(head.weight), label, domain, features, head.weight.detach().clone())
+    scale = abs(network.logit_scale)
+    return Bound(features * sigma(head.weight) * scale, label, domain, features, head.weight.detach().clone() * scale)
 
 
 def vit_bound(network: nn.Module) -> Bound:
@@ -151,7 +152,7 @@ def vit_bound(network: nn.Module) -> Bound:
             alpha = branch_scale(getattr(block, attr))
             f = attention_lipschitz(branch, tokens) if attr == "drop_path1" else mlp_lipschitz(branch)
             bound *= 1.0 + alpha * f * norm_lipschitz(norm)
-    return _with_head(bound, backbone, "LipsFormer composition (Theorems 1–2)", "all inputs")
+    return _with_head(bound, network, backbone, "LipsFormer composition (Theorems 1–2)", "all inputs")
 
 
 def lipschitz_transformer_bound(network: nn.Module) -> Bound:
@@ -164,7 +165,7 @@ def lipschitz_transformer_bound(network: nn.Module) -> Bound:
     except NotALipschitzTransformer as reason:
         raise Unbounded(str(reason)) from None
     return Bound(float(value), "Lipschitz-transformer composition on the pixel box", "[0, 1]^n", float(features),
-                 backbone.head.weight.detach().clone())
+                 backbone.head.weight.detach().clone() * abs(network.logit_scale))
 
 
 def certified_bound(network: nn.Module) -> tuple[Bound | None, str]:

@@ -8,19 +8,24 @@ propagate a bound r on the size of every token from the pixel box [0, 1]ⁿ, lay
 **Pixel-space bound** (:func:`pixel_bound`, certifies): ℓ2 over the whole input image → ℓ2 of the
 logits, tokens measured in ℓ2 (‖x_i‖ ≤ r). For one head on {X : ‖x_i‖ ≤ r}, with r_• = ‖W_•‖r + ‖b_•‖,
 
-    d(PV) = P·dV + dP·V,  ‖P·dV‖_F ≤ √N‖W_V‖‖dX‖_F          (‖P‖₂ ≤ √N for a row-stochastic P)
-    (dP·V)_i = Cov_{P_i}(u, V) with u = c(dq_i Kᵀ + q_i dKᵀ),
-    ‖Cov_p(u, V)‖ ≤ √Var_p(u)·√(E_p‖v − v̄‖²) ≤ ‖u‖_∞·r_v,  ‖u‖_∞ ≤ c(r_k‖dq_i‖ + r_q max_j‖dk_j‖)
+    d(PV) = P·dV + dP·V,  ‖P·dV‖_F ≤ √κ‖W_V‖‖dX‖_F,
+    (dP·V)_i = Cov_{P_i}(u, V) with u_j = c(dq_i·k_j + q_i·dk_j),
+    ‖Cov_p(u, V)‖ ≤ √Var_p(u)·√(E_p‖v − v̄‖²) ≤ (√Var_p(dq_i·k) + √Var_p(q_i·dk))·r_v
+                  ≤ (r_k‖dq_i‖ + r_q·√(E_p‖dk_j‖²))·c·r_v.
 
-and Minkowski over the rows gives
+κ bounds P's column sums: the logits c·q_i·k_j of a row lie in an interval of width Δ = 2c·r_q·r_k, so
+P_ij ≤ 1/(1 + (N − 1)e^(−Δ)) and every column sums to ≤ κ = N/(1 + (N − 1)e^(−Δ)) (≤ N; → 1 as the
+attention becomes uniform). Then ‖P‖₂ ≤ √(‖P‖₁‖P‖_∞) ≤ √κ and Σ_i E_{P_i}‖dk_j‖² ≤ κ‖dK‖_F², and
+Minkowski over the rows gives
 
-    Lip_h ≤ √N‖W_V‖ + c·r_v·(r_k‖W_Q‖ + √N·r_q‖W_K‖).
+    Lip_h ≤ √κ‖W_V‖ + c·r_v·(r_k‖W_Q‖ + √κ·r_q‖W_K‖).
 
 Heads are combined through W_O as (1/3)·min(‖W_O‖·√Σ_h Lip_h², Σ_h ‖W_O^h‖·Lip_h) (W_O^h: the
 columns of head h); the MLP as ‖W₂‖·‖W₁‖; a block as (1 − a) + a·Lip(f). Token sizes: the
 embedding ‖W_e‖·max‖patch‖ + max‖b_e + pos_i‖ (and ‖cls + pos_0‖); attention output
 (1/3)·min(‖W_O‖√Σ r_v², Σ‖W_O^h‖r_v) + ‖b_O‖ (each head's output is a convex combination of value
-rows); MLP ‖W₂‖(‖W₁‖r + ‖b₁‖) + ‖b₂‖. Class-token pooling is 1-Lipschitz, mean pooling 1/√N.
+rows); MLP ‖W₂‖(‖W₁‖r + ‖b₁‖) + ‖b₂‖. Class-token pooling is 1-Lipschitz, mean pooling 1/√N. The logits are
+c·W_head·h with c the network's logit scale (the reference's ``final_scale``): both bounds include c.
 
 **Paper's bound** (:func:`paper_bound`, for comparison with its figures, certifies nothing in
 pixel space): the composition of Newhouse et al. in RMS→RMS norms ‖W‖ = √(d_in/d_out)·σ₁ over
@@ -41,6 +46,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..models import AttentionSite, ConvexResidualBlock, PatchLinear
+from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound
 from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, ScaledGELU
 
 
@@ -79,8 +85,10 @@ def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d
         if not isinstance(wrapper, ConvexResidualBlock):
             raise NotALipschitzTransformer("a block without the convex residual")
         block = wrapper.block
-        if not isinstance(getattr(block.attn, "kernel", None), LipschitzDotKernel):
-            raise NotALipschitzTransformer("attention other than the Lipschitz transformer's dot-product kernel")
+        if not (isinstance(getattr(block.attn, "kernel", None), LipschitzDotKernel)
+                or isinstance(block.attn, L2MultiHeadAttention)):
+            raise NotALipschitzTransformer("attention other than the Lipschitz transformer's dot-product kernel or "
+                                           "L2 attention")
         if not (isinstance(block.norm1, nn.Identity) and isinstance(block.norm2, nn.Identity)):
             raise NotALipschitzTransformer("a LayerNorm inside a block (it has no global bound)")
         if not isinstance(block.mlp.act, (ScaledGELU, nn.GELU, nn.ReLU)):
@@ -151,7 +159,8 @@ def bound_matrices(network: nn.Module) -> dict[str, torch.Tensor]:
 
 def pixel_bound(network: nn.Module, differentiable: bool = False,
                 sigmas: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bound of pixels → logits, bound of pixels → the head's input), ℓ2, on [0, 1]ⁿ (module docstring).
+    """(bound of pixels → logits, bound of pixels → the head's input), ℓ2, on [0, 1]ⁿ (module docstring); the
+    first includes the network's logit scale c (z = c·W_head·h).
 
     ``sigmas``: σ₁ of each of :func:`bound_matrices`, by name, in the dtype to compose in (e.g. float32
     estimates from a power iteration, for a training loss); by default the exact values in float64, which
@@ -162,29 +171,16 @@ def pixel_bound(network: nn.Module, differentiable: bool = False,
                   for name, m in bound_matrices(network).items()}
     dtype = sigmas["head"].dtype
     tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
-    root = math.sqrt(tokens)
     r = _token_size(backbone, sigmas["embed"], embed, _largest_patch(network, backbone, dtype), differentiable,
                     lambda t: t.norm(dim=-1))
     bound = sigmas["embed"] / network.std.to(dtype).min()
     for i, wrapper in enumerate(blocks):
         block, a = wrapper.block, wrapper.a
         attn = block.attn
-        c = attn.kernel.s / attn.head_dim
-        bias = attn.qkv.bias
-        heads, values, w_o_heads = [], [], []
-        for h in range(attn.num_heads):
-            w_q, w_k, w_v = (sigmas[f"{i}.{p}{h}"] for p in "qkv")
-            b_q, b_k, b_v = (_size(None if bias is None else bias[_head_rows(attn, p, h)], differentiable, r)
-                             for p in "qkv")
-            r_q, r_k, r_v = w_q * r + b_q, w_k * r + b_k, w_v * r + b_v
-            heads.append(root * w_v + c * r_v * (r_k * w_q + root * r_q * w_k))
-            values.append(r_v)
-            w_o_heads.append(sigmas[f"{i}.o{h}"])
-        heads, values, w_o_heads = torch.stack(heads), torch.stack(values), torch.stack(w_o_heads)
-        whole = sigmas[f"{i}.o"]
-        lip_att = torch.minimum(whole * heads.pow(2).sum().sqrt(), (w_o_heads * heads).sum()) / 3
-        r_att = torch.minimum(whole * values.pow(2).sum().sqrt(), (w_o_heads * values).sum()) / 3 \
-            + _size(attn.proj.bias, differentiable, r)
+        if isinstance(attn, L2MultiHeadAttention):
+            lip_att, r_att = _l2_attention(i, attn, sigmas, tokens, r, differentiable)
+        else:
+            lip_att, r_att = _dot_attention(i, attn, sigmas, tokens, r, differentiable)
         bound = bound * ((1 - a) + a * lip_att)
         r = (1 - a) * r + a * r_att
         mlp = block.mlp
@@ -195,13 +191,59 @@ def pixel_bound(network: nn.Module, differentiable: bool = False,
         r = (1 - a) * r + a * r_mlp
     if backbone.global_pool == "avg":
         bound = bound / math.sqrt(backbone.patch_embed.num_patches)
-    return bound * sigmas["head"], bound
+    return bound * sigmas["head"] * abs(network.logit_scale), bound
+
+
+def column_sum_bound(tokens: int, width: torch.Tensor) -> torch.Tensor:
+    """κ = N/(1 + (N − 1)·e^(−Δ)): the largest column sum of a softmax matrix over N tokens whose rows' logits
+    each lie in an interval of width Δ (each entry is ≤ 1/(1 + (N − 1)e^(−Δ))). κ ≤ N, and κ → 1 as Δ → 0."""
+    return tokens / (1 + (tokens - 1) * torch.exp(-width))
+
+
+def _dot_attention(i: int, attn: nn.Module, sigmas: dict[str, torch.Tensor], tokens: int, r: torch.Tensor,
+                   differentiable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Lipschitz bound, output token size) of the Lipschitz transformer's attention (1/3)·W_O·softmax(c·QKᵀ)·V
+    on tokens of size ≤ r (module docstring)."""
+    c, bias = attn.kernel.s / attn.head_dim, attn.qkv.bias
+    heads, values, w_o_heads = [], [], []
+    for h in range(attn.num_heads):
+        w_q, w_k, w_v = (sigmas[f"{i}.{p}{h}"] for p in "qkv")
+        b_q, b_k, b_v = (_size(None if bias is None else bias[_head_rows(attn, p, h)], differentiable, r)
+                         for p in "qkv")
+        r_q, r_k, r_v = w_q * r + b_q, w_k * r + b_k, w_v * r + b_v
+        root = column_sum_bound(tokens, 2 * c * r_q * r_k).sqrt()
+        heads.append(root * w_v + c * r_v * (r_k * w_q + root * r_q * w_k))
+        values.append(r_v)
+        w_o_heads.append(sigmas[f"{i}.o{h}"])
+    heads, values, w_o_heads = torch.stack(heads), torch.stack(values), torch.stack(w_o_heads)
+    whole = sigmas[f"{i}.o"]
+    lip = torch.minimum(whole * heads.pow(2).sum().sqrt(), (w_o_heads * heads).sum()) / 3
+    size = torch.minimum(whole * values.pow(2).sum().sqrt(), (w_o_heads * values).sum()) / 3 \
+        + _size(attn.proj.bias, differentiable, r)
+    return lip, size
+
+
+def _l2_attention(i: int, attn: L2MultiHeadAttention, sigmas: dict[str, torch.Tensor], tokens: int,
+                  r: torch.Tensor, differentiable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Lipschitz bound, output token size) of L2 attention: Kim et al.'s Theorem 3.2, global (it needs no token
+    size); the output rows are convex combinations of q_j·W_Qᵀ W_V/√d, of size ≤ ‖W_Q‖²‖W_V‖·r/√d per head."""
+    if attn.qkv.bias is not None:
+        raise NotALipschitzTransformer("L2 attention with biases (its bound is for linear maps)")
+    w_q = torch.stack([sigmas[f"{i}.q{h}"] for h in range(attn.num_heads)])
+    w_v = torch.stack([sigmas[f"{i}.v{h}"] for h in range(attn.num_heads)])
+    whole = sigmas[f"{i}.o"]
+    lip = l2_attention_bound(tokens, attn.head_dim, w_q, w_v, whole)
+    size = whole * (w_q.pow(2) * w_v * r / math.sqrt(attn.head_dim)).pow(2).sum().sqrt() \
+        + _size(attn.proj.bias, differentiable, r)
+    return lip, size
 
 
 def paper_bound(network: nn.Module) -> float:
     """Newhouse et al.'s composition in RMS→RMS norms over per-token RMS sizes, embedded tokens →
     logits (module docstring). Comparable with the paper's figures; it certifies nothing in pixels."""
     backbone, embed, blocks = _parts(network)
+    if any(isinstance(wrapper.block.attn, L2MultiHeadAttention) for wrapper in blocks):
+        raise NotALipschitzTransformer("the paper's bound is for its dot-product attention, not L2 attention")
 
     def rms(weight: torch.Tensor) -> torch.Tensor:  # ‖W‖_RMS→RMS = √(d_in/d_out)·σ₁
         w = weight.detach().reshape(weight.shape[0], -1)
@@ -226,4 +268,4 @@ def paper_bound(network: nn.Module) -> float:
         lip_mlp = rms(block.mlp.fc2.weight) * rms(block.mlp.fc1.weight)
         bound = bound * ((1 - a) + a * lip_mlp)
         r = (1 - a) * r + a * lip_mlp * r
-    return float(bound * rms(backbone.head.weight))
+    return float(bound * rms(backbone.head.weight)) * abs(network.logit_scale)

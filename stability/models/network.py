@@ -8,10 +8,12 @@ from torch import nn
 
 
 class Network(nn.Module):
-    """``backbone((x − mean) / std)`` for x in [0, 1].
+    """``logit_scale · backbone((x − mean) / std)`` for x in [0, 1].
 
     Normalisation lives inside the network so that attack budgets and Lipschitz constants
     are in pixel units. Note that it scales the input→logits Lipschitz constant by 1/min(std).
+    ``logit_scale`` (1 unless a stabilizer sets it, e.g. the Lipschitz transformer's, after its
+    reference's ``final_scale``) multiplies the logits; it is part of the model and of every bound of it.
     """
 
     def __init__(self, backbone: nn.Module, mean: Sequence[float], std: Sequence[float],
@@ -25,6 +27,8 @@ class Network(nn.Module):
         self.image_size = image_size  # side of the square inputs, for layers that need the input shape
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+        self.logit_scale = 1.0  # a plain number: set by a stabilizer's prepare(), rebuilt from the hyperparameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone((x - self.mean) / self.std)
+        logits = self.backbone((x - self.mean) / self.std)
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale

@@ -82,9 +82,10 @@ def linear_layers(network: nn.Module, which: LinearChoice = "all") -> list[nn.Li
         return [m for m in network.modules() if isinstance(m, nn.Linear)]
     if which == "hidden":
         return [m for name, m in network.named_modules() if isinstance(m, nn.Linear) and not is_head(name)]
-    if which == "attention":
-        return [lin for site in attention_sites(network) for module in (site.qkv, site.proj)
-                for lin in ((module.q, module.k, module.v) if isinstance(module, SplitQKV) else (module,))]
+    if which == "attention":  # a tied key map (L2 attention: k is q) is one matrix, listed once
+        found = [lin for site in attention_sites(network) for module in (site.qkv, site.proj)
+                 for lin in ((module.q, module.k, module.v) if isinstance(module, SplitQKV) else (module,))]
+        return list({id(lin): lin for lin in found}.values())
     if which == "mlp":
         return [m for name, mod in network.named_modules() if name.endswith("mlp")
                 for m in mod.modules() if isinstance(m, nn.Linear)]

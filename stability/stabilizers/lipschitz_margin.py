@@ -3,10 +3,11 @@ Certification of Perturbation Invariance for Deep Neural Networks"; docs/methods
 
 The task loss becomes the cross-entropy of the logits with √2·L·ε added to every non-target logit,
 
-    CE(z + √2·L·ε·(1 − e_y), y),
+    CE(τ·(z + √2·L·ε·(1 − e_y)), y) / τ,
 
 so that a training point is fitted only with a margin that certifies it at ℓ2 radius ε. L is the
-model's bound of pixels → logits, composed from the current weights.
+model's bound of pixels → logits, composed from the current weights. τ (``temperature``, 1 in the paper)
+sharpens the softmax without touching the model, for the small logits of a Lipschitz network (as ``tau_ce``).
 
 For the Lipschitz-transformer ViT, L is composed (:func:`~stability.lipschitz.transformer_bounds.pixel_bound`)
 from σ₁ estimates of every matrix by a persistent power iteration — one step per training step, as
@@ -41,21 +42,23 @@ class LipschitzMargin(Stabilizer):
     Args:
         eps: the ℓ2 radius (pixel units) to train a margin for.
         iterations: power-iteration steps per training step for the bound's σ₁'s (Lipschitz transformer).
+        temperature: τ of CE(τ·(shifted logits))/τ.
     """
 
     name = "lipschitz_margin"
-    summary = "task loss CE(z + √2·L·ε·(1 − e_y)): a margin that certifies each training point at ℓ2 radius ε"
+    summary = "task loss CE(τ·(z + √2·L·ε·(1 − e_y)))/τ: a margin that certifies each training point at ℓ2 radius ε"
     source = "Tsuzuku et al. 2018"
     prepare_order = 3  # after the architecture and the constraints: the bound of the final network
     needs = ("lipschitz_transformer",)  # or lipsformer: a model with a certified bound
     backbones = ("vit",)  # where the certified bounds are implemented
 
-    def __init__(self, eps: float = 0.5, iterations: int = 1) -> None:
+    def __init__(self, eps: float = 0.5, iterations: int = 1, temperature: float = 1.0) -> None:
         if eps < 0:
             raise ValueError(f"lipschitz_margin: eps must be >= 0, got {eps}")
-        if iterations < 1:
-            raise ValueError(f"lipschitz_margin: iterations must be >= 1, got {iterations}")
-        self.eps, self.iterations = eps, iterations
+        if iterations < 1 or temperature <= 0:
+            raise ValueError(f"lipschitz_margin: need iterations >= 1 and temperature > 0; got {iterations}, "
+                             f"{temperature}")
+        self.eps, self.iterations, self.temperature = eps, iterations, temperature
         self.bound_source = ""
         self._names: list[str] = []
         self._power: SubspaceIteration | None = None
@@ -104,7 +107,8 @@ class LipschitzMargin(Stabilizer):
         bound = self.margin_bound(step.network)
         self.last_bound = bound.detach()
         margin = math.sqrt(2) * bound.float() * self.eps
-        return default(logits.float() + margin * (1 - soft.float()))  # float32 under autocast too
+        shifted = logits.float() + margin * (1 - soft.float())  # float32 under autocast too
+        return default(self.temperature * shifted) / self.temperature
 
     def signals(self) -> dict[str, torch.Tensor]:
         return {"bound": self.last_bound} if self.last_bound is not None else {}

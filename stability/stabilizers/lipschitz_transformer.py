@@ -5,12 +5,19 @@ exists, its initialisation, its two bounds, and the constraints on what the weig
 
 * no LayerNorm (Identity); convex residuals x ← (1 − a)x + a·f(x), a = residual_scale/(2N) for N blocks;
   attention (1/3)·W_O·softmax(s·QKᵀ/d)·V (1/d, not 1/√d); GELU/1.1289 (1-Lipschitz); DropPath bypassed;
+  or, with ``attention: l2``, L2 self-attention with tied queries and keys (Kim et al. 2021,
+  :mod:`stability.nn.l2_attention`), globally Lipschitz (ViT);
 * every matrix a Linear that ``muon --muon.layers all`` constrains: the patch embedding as the linear
   map patch → token (non-overlapping patches), Q, K and V apart, W_O, the MLP and the head;
 * biases off (``biases``); positional embedding and class token kept at per-token RMS ≤ ``token_rms``
   after every step (the reference bounds its embedding columns the same way);
 * the reference's initialisation: every matrix orthogonal with RMS→RMS norm 1 (``orthogonal_init``),
-  W_O, the MLP output and the head zero (``zero_init``).
+  W_O, the MLP output and the head zero (``zero_init``);
+* ``logit_scale`` c: the logits are c·W_head·h, the reference code's ``final_scale`` (32–512 in its CIFAR-10
+  sweeps). With every layer at RMS→RMS norm ≤ 1 the logits stay of the size of the input, and with ‖z‖₂ ≤ r
+  and K classes the cross-entropy cannot go below log(1 + (K − 1)·e^(−r√(K/(K−1)))) (1.84 at r = 0.5 for 10
+  classes): c lifts that floor. It is part of the model, so both bounds include it; the certified radius,
+  margin/(√2·L), does not change with it (margin and L both scale by c).
 
 The run lists every parameter left without a norm constraint (a bias when ``biases: true``; every
 matrix when ``muon`` is not selected). Bounds: the certified pixel-space bound on [0, 1]ⁿ
@@ -20,22 +27,28 @@ matrix when ``muon`` is not selected). Bounds: the certified pixel-space bound o
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from timm.layers import Attention as TimmAttention
 from torch import nn
 
 from ..lipschitz.certified import Bound, certified_bound
 from ..lipschitz.transformer_bounds import NotALipschitzTransformer, paper_bound
 from ..models import (
+    attention_sites,
     linear_patch_embedding,
     linear_role,
     norm_sites,
     remove_biases,
     replace_activations,
     replace_attention_kernels,
+    replace_submodule,
     split_qkv,
     use_convex_residuals,
 )
 from ..nn.constraints import orthogonal_rms_
+from ..nn.l2_attention import L2MultiHeadAttention
 from ..nn.lipschitz_blocks import LipschitzDotKernel, ScaledGELU
 from .base import Stabilizer, register_stabilizer
 
@@ -53,6 +66,8 @@ class LipschitzTransformer(Stabilizer):
         orthogonal_init: every matrix orthogonal at RMS→RMS norm 1.
         zero_init: W_O, the MLP output and the head start at zero.
         token_rms: bound on the per-token RMS of the positional embedding and class token.
+        logit_scale: c in logits = c·W_head·h (the reference's ``final_scale``; counted in the bounds).
+        attention: ``dot`` (the paper's) or ``l2`` (L2 self-attention, tied Q = K; ViT).
     """
 
     name = "lipschitz_transformer"
@@ -64,19 +79,26 @@ class LipschitzTransformer(Stabilizer):
     wants_constrained_network = True
 
     def __init__(self, attention_scale: float = 1.0, residual_scale: float = 1.0, biases: bool = False,
-                 orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0) -> None:
-        if attention_scale <= 0 or token_rms <= 0 or residual_scale <= 0:
-            raise ValueError(f"lipschitz_transformer: need attention_scale > 0, residual_scale > 0 and token_rms > 0; "
-                             f"got {attention_scale}, {residual_scale}, {token_rms}")
+                 orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0,
+                 logit_scale: float = 1.0, attention: Literal["dot", "l2"] = "dot") -> None:
+        if attention_scale <= 0 or token_rms <= 0 or residual_scale <= 0 or logit_scale <= 0:
+            raise ValueError(f"lipschitz_transformer: need attention_scale > 0, residual_scale > 0, token_rms > 0 and "
+                             f"logit_scale > 0; got {attention_scale}, {residual_scale}, {token_rms}, {logit_scale}")
         self.attention_scale, self.residual_scale, self.biases = attention_scale, residual_scale, biases
         self.orthogonal_init, self.zero_init, self.token_rms = orthogonal_init, zero_init, token_rms
+        if attention not in ("dot", "l2"):
+            raise ValueError(f"lipschitz_transformer: attention must be 'dot' or 'l2', got {attention!r}")
+        self.logit_scale, self.attention = logit_scale, attention
 
     def prepare(self, network: nn.Module) -> None:
         backbone = network.backbone if hasattr(network, "backbone") else network
         for site in norm_sites(backbone):
             site.replace(nn.Identity())
-        replace_attention_kernels(backbone, lambda attn: LipschitzDotKernel(
-            attn.qkv.out_features // (3 * attn.num_heads), self.attention_scale))
+        if self.attention == "l2":
+            self._use_l2_attention(backbone)
+        else:
+            replace_attention_kernels(backbone, lambda attn: LipschitzDotKernel(
+                attn.qkv.out_features // (3 * attn.num_heads), self.attention_scale))
         replace_activations(backbone, nn.GELU, ScaledGELU)
         use_convex_residuals(backbone, self.residual_scale)
         try:
@@ -88,6 +110,16 @@ class LipschitzTransformer(Stabilizer):
             remove_biases(network)
         self._initialise(backbone)
         self._bound_tokens(backbone)
+        network.logit_scale = self.logit_scale
+
+    @staticmethod
+    def _use_l2_attention(backbone: nn.Module) -> None:
+        sites = attention_sites(backbone)
+        if not all(type(site.module) is TimmAttention for site in sites):
+            raise ValueError("lipschitz_transformer: attention: l2 is implemented for the ViT backbone's attention "
+                             "(use attention: dot on Swin and CSwin)")
+        for site in sites:
+            replace_submodule(backbone, site.name, L2MultiHeadAttention(site.module))
 
     @torch.no_grad()
     def _initialise(self, backbone: nn.Module) -> None:
