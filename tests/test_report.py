@@ -116,3 +116,32 @@ def test_jasmin_columns_average_g1_over_layers_and_read_the_no_embed_estimate():
     assert run.summary["g1 mean"] == pytest.approx(0.3)
     assert run.summary["Lip no-embed mean"] == 4.5
     assert RunRecord(Path("run"), {}, "completed", {}, {}).summary["g1 mean"] is None
+
+
+def test_the_frontier_keeps_what_no_smaller_bound_beats():
+    from stability.report.frontier import pareto_front
+    points = [("a", 3.0, 0.90), ("b", 1.0, 0.80), ("c", 2.0, 0.79), ("d", 2.0, 0.85), ("e", 5.0, 0.90),
+              ("f", 4.0, 0.95)]
+    # c loses to b (smaller bound, more accurate), d beats c at the same bound, e ties a at a larger bound
+    assert pareto_front(points) == ["b", "d", "a", "f"]
+    assert pareto_front([]) == []
+
+
+def test_the_paper_bound_plot_marks_the_frontier(tmp_path):
+    from stability.report.plots import plot_accuracy_vs_paper_bound
+
+    class Config:
+        def __init__(self, label, bounds, accuracies):
+            self.label, self._values = label, {"paper bound log10": bounds, "clean acc": accuracies}
+
+        def values(self, column):
+            return self._values.get(column, [])
+
+    configs = [Config("small", [1.0, 1.2], [0.90, 0.92]), Config("large", [3.0], [0.97]),
+               Config("worse", [2.0], [0.80]), Config("no bound", [], [0.99])]
+    styles = {c.label: {"color": "C0", "marker": "o", "linestyle": "-", "name": c.label} for c in configs}
+    path = tmp_path / "frontier.png"
+    assert plot_accuracy_vs_paper_bound(configs, styles, path, "t") == ["small", "large"]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_accuracy_vs_paper_bound(configs[:1], styles, tmp_path / "none.png", "t") == []
+    assert not (tmp_path / "none.png").exists()

@@ -11,7 +11,9 @@ configuration, and writes under ``results/<study>/`` (``--out``):
   Test-time values (``--test_after_fit`` / ``stability test``) are used where a run has them, else
   the last values logged during fit. Diverged runs count in the divergence rate only;
 * ``accuracy_vs_lipschitz.png``, ``robust_vs_budget.png``, ``loss_curves.png``,
-  ``lipschitz_distribution.png``, and ``accuracy_vs_certified.png`` where runs have a certified bound.
+  ``lipschitz_distribution.png``, and ``accuracy_vs_certified.png`` where runs have a certified bound;
+  ``accuracy_vs_paper_bound.png`` where they have the Lipschitz transformer's paper bound, with the
+  accuracy–bound frontier marked and named in ``report.md``.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .aggregate import group, label_configurations, sweep_order, table
 from .plots import (
     line_styles,
     plot_accuracy_vs_lipschitz,
+    plot_accuracy_vs_paper_bound,
     plot_certified_vs_empirical,
     plot_lipschitz_distribution,
     plot_loss_curves,
@@ -55,6 +58,8 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
         "certified_vs_empirical.png": plot_certified_vs_empirical(configurations, styles,
                                                                   out / "certified_vs_empirical.png", study),
     }
+    front = plot_accuracy_vs_paper_bound(configurations, styles, out / "accuracy_vs_paper_bound.png", study)
+    plots["accuracy_vs_paper_bound.png"] = bool(front)
     test_time = any(tags.stage_metric("test", "acc") in r.scalars for r in records)
     lines = [f"# {study}", "", f"Made by `{command}` from {len(records)} runs in `{runs_dir}`.", "",
              "Mean ± sample std over seeds; " + ("test-set values (after fit)" if test_time else
@@ -73,6 +78,9 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
                "`task loss`: last epoch's training objective; `s/epoch`: training steps only. Distributions are "
                "drawn from TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
              table(configurations), ""]
+    if front:
+        lines += ["On the accuracy–bound frontier (no configuration with a smaller paper's bound is more accurate; "
+                  "means over seeds): " + "; ".join(f"`{label}`" for label in front) + ".", ""]
     for name, drawn in plots.items():
         if drawn:
             lines += [f"![{name[:-4]}]({name})", ""]

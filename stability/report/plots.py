@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import tags
 from .aggregate import Configuration, parse_label
+from .frontier import pareto_front
 
 
 def _figure(width: float = 7.5, height: float = 4.8):
@@ -108,6 +109,35 @@ def plot_accuracy_vs_lipschitz(configurations, styles, path: Path, title: str, c
     ax.set_ylabel("clean accuracy")
     what = "certified bound" if certified else "Lipschitz"
     return _finish(plt, fig, ax, drawn, path, f"{title}: accuracy vs {what} (mean ± std over seeds)")
+
+
+def plot_accuracy_vs_paper_bound(configurations, styles, path: Path, title: str) -> list[str]:
+    """Clean accuracy against the paper's Lipschitz bound (log scale), one point per configuration, with the
+    accuracy–bound frontier drawn through the configurations on it (:func:`~.frontier.pareto_front`);
+    returns their labels (empty: nothing drawn)."""
+    points = []
+    for config in configurations:
+        bound, acc = config.values("paper bound log10"), config.values("clean acc")
+        if bound and acc:
+            points.append((config.label, statistics.fmean(bound), statistics.fmean(acc),
+                           statistics.stdev(acc) if len(acc) > 1 else None))
+    if len(points) < 2:
+        return []
+    front = pareto_front([(label, bound, acc) for label, bound, acc, _ in points])
+    plt, fig, ax = _figure(9, 5 + (0.2 * len(points) if len(points) > 6 else 0))
+    for label, bound, acc, err in points:
+        style = styles[label]
+        ax.errorbar(10 ** bound, acc, yerr=err, color=style["color"], marker=style["marker"], linestyle="none",
+                    capsize=3, markersize=9 if label in front else 6, label=style["name"],
+                    markeredgecolor="black" if label in front else style["color"])
+    on_front = sorted((p for p in points if p[0] in front), key=lambda p: p[1])
+    ax.step([10 ** p[1] for p in on_front], [p[2] for p in on_front], where="post", color="black", alpha=0.5,
+            linewidth=1, label="frontier")
+    ax.set_xscale("log")
+    ax.set_xlabel("the paper's Lipschitz bound (per-token RMS norms), mean over seeds (log scale)")
+    ax.set_ylabel("clean accuracy")
+    _finish(plt, fig, ax, len(points), path, f"{title}: accuracy vs the paper's bound (black edge: on the frontier)")
+    return front
 
 
 def plot_robust_vs_budget(configurations, styles, path: Path, title: str) -> bool:
