@@ -335,3 +335,20 @@ def test_margin_loss_with_a_temperature_is_its_formula():
     margin = math.sqrt(2) * float(module.stabilizers[1].last_bound) * 0.1
     shifted = logits + margin * (1 - nn.functional.one_hot(labels, 10))
     torch.testing.assert_close(terms["task"], nn.functional.cross_entropy(8.0 * shifted, labels) / 8.0)
+
+
+@pytest.mark.parametrize("attention", ["dot", "l2"])
+@pytest.mark.parametrize("size", [0.0, 1e-30])
+def test_the_differentiable_bound_has_finite_gradients_at_collapsed_weights(attention, size):
+    """Margin training can drive every weight to 0 (a constant classifier); the bound's gradient must stay
+    finite there (√(Σx²) has an infinite one at 0: the run of results/certified_transformers turned to NaN)."""
+    from stability.lipschitz.transformer_bounds import bound_matrices, pixel_bound
+    network = lipschitz_transformer(attention_scale=4.0, attention=attention).network
+    with torch.no_grad():
+        for p in network.parameters():
+            p.fill_(size)
+    sigmas = {name: torch.linalg.matrix_norm(m, ord="fro") for name, m in bound_matrices(network).items()}
+    bound = pixel_bound(network, differentiable=True, sigmas=sigmas)[0]
+    bound.backward()
+    grads = [p.grad for p in network.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)

@@ -217,8 +217,8 @@ def _dot_attention(i: int, attn: nn.Module, sigmas: dict[str, torch.Tensor], tok
         w_o_heads.append(sigmas[f"{i}.o{h}"])
     heads, values, w_o_heads = torch.stack(heads), torch.stack(values), torch.stack(w_o_heads)
     whole = sigmas[f"{i}.o"]
-    lip = torch.minimum(whole * heads.pow(2).sum().sqrt(), (w_o_heads * heads).sum()) / 3
-    size = torch.minimum(whole * values.pow(2).sum().sqrt(), (w_o_heads * values).sum()) / 3 \
+    lip = torch.minimum(whole * torch.linalg.vector_norm(heads), (w_o_heads * heads).sum()) / 3
+    size = torch.minimum(whole * torch.linalg.vector_norm(values), (w_o_heads * values).sum()) / 3 \
         + _size(attn.proj.bias, differentiable, r)
     return lip, size
 
@@ -233,7 +233,7 @@ def _l2_attention(i: int, attn: L2MultiHeadAttention, sigmas: dict[str, torch.Te
     w_v = torch.stack([sigmas[f"{i}.v{h}"] for h in range(attn.num_heads)])
     whole = sigmas[f"{i}.o"]
     lip = l2_attention_bound(tokens, attn.head_dim, w_q, w_v, whole)
-    size = whole * (w_q.pow(2) * w_v * r / math.sqrt(attn.head_dim)).pow(2).sum().sqrt() \
+    size = whole * torch.linalg.vector_norm(w_q.pow(2) * w_v * r / math.sqrt(attn.head_dim)) \
         + _size(attn.proj.bias, differentiable, r)
     return lip, size
 

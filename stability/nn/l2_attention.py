@@ -51,7 +51,7 @@ def l2_attention_bound(tokens: int, head_dim: int, w_q: torch.Tensor, w_v: torch
                        w_o: torch.Tensor) -> torch.Tensor:
     """The ℓ2 Lipschitz bound of L2 multi-head attention on N = ``tokens`` tokens, from the spectral norms
     ‖W_Q^h‖ (H,), ‖W_V^h‖ (H,) and ‖W_O‖ (a scalar), as tensors (differentiable; their dtype)."""
-    spread = (w_q.pow(4) * w_v.pow(2)).sum().sqrt()
+    spread = torch.linalg.vector_norm(w_q.pow(2) * w_v)  # a finite gradient at 0 too
     return math.sqrt(tokens) / math.sqrt(head_dim) * lambert_factor(tokens) * spread * w_o
 
 
