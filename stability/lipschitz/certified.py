@@ -136,8 +136,13 @@ def _with_head(features: float, network: nn.Module, backbone: VisionTransformer,
     head = backbone.head
     if not isinstance(head, nn.Linear):
         raise Unbounded(f"classifier head {type(head).__name__} is not a Linear layer")
-    scale = abs(network.logit_scale)
-    return Bound(features * sigma(head.weight) * scale, label, domain, features, head.weight.detach().clone() * scale)
+    return Bound(features * sigma(head.weight) * abs(network.logit_scale), label, domain, features,
+                 _scaled_head(network, head))
+
+
+def _scaled_head(network: nn.Module, head: nn.Linear) -> torch.Tensor:
+    """c·W_head, the logits' linear map from the head's input (c: the network's logit scale)."""
+    return head.weight.detach().clone() * abs(network.logit_scale)
 
 
 def vit_bound(network: nn.Module) -> Bound:
@@ -165,7 +170,7 @@ def lipschitz_transformer_bound(network: nn.Module) -> Bound:
     except NotALipschitzTransformer as reason:
         raise Unbounded(str(reason)) from None
     return Bound(float(value), "Lipschitz-transformer composition on the pixel box", "[0, 1]^n", float(features),
-                 backbone.head.weight.detach().clone() * abs(network.logit_scale))
+                 _scaled_head(network, backbone.head))
 
 
 def certified_bound(network: nn.Module) -> tuple[Bound | None, str]:

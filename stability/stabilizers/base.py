@@ -70,6 +70,12 @@ class ForwardStep:
     queries_keys: list[tuple] = field(default_factory=list)  # each (q, k, scale), q and k (B, H, N, d)
     global_step: int = 0
 
+    def soft_targets(self) -> torch.Tensor:
+        """The targets as (B, num_classes) label distributions (class indices become one-hot), in float32."""
+        if self.targets.ndim == 2:
+            return self.targets.float()
+        return nn.functional.one_hot(self.targets, self.logits.shape[-1]).float()
+
 
 class Stabilizer:
     """Base class: every hook does nothing. Subclasses set ``name`` and override what they need."""

@@ -102,12 +102,10 @@ class LipschitzMargin(Stabilizer):
         return network.mean.new_tensor(bound.value)
 
     def task_loss(self, step: ForwardStep, default) -> torch.Tensor:
-        logits, targets = step.logits, step.targets
-        soft = targets if targets.ndim == 2 else nn.functional.one_hot(targets, logits.shape[-1]).to(logits.dtype)
         bound = self.margin_bound(step.network)
         self.last_bound = bound.detach()
         margin = math.sqrt(2) * bound.float() * self.eps
-        shifted = logits.float() + margin * (1 - soft.float())  # float32 under autocast too
+        shifted = step.logits.float() + margin * (1 - step.soft_targets())  # float32 under autocast too
         return default(self.temperature * shifted) / self.temperature
 
     def signals(self) -> dict[str, torch.Tensor]:

@@ -22,7 +22,6 @@ objective.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
@@ -47,6 +46,5 @@ class TauCrossEntropy(Stabilizer):
         self.temperature, self.offset = temperature, offset
 
     def task_loss(self, step: ForwardStep, default) -> torch.Tensor:
-        logits, targets = step.logits.float(), step.targets
-        soft = targets.float() if targets.ndim == 2 else nn.functional.one_hot(targets, logits.shape[-1]).float()
-        return default(self.temperature * (logits - self.offset * soft)) / self.temperature
+        shifted = step.logits.float() - self.offset * step.soft_targets()
+        return default(self.temperature * shifted) / self.temperature
