@@ -23,6 +23,9 @@ DIVERGED_AT_STEP = "stability/diverged_at_step"
 LOSS_SPIKES = "stability/loss_spikes"
 GRAD_NORM = "stability/grad_norm"
 ACT_MAX = "stability/act_max"
+ATTN_LOGIT_MAX = "stability/attn_logit_max"   # per layer: the largest softmax input (attention-logit growth)
+ATTN_ENTROPY = "stability/attn_entropy"       # per layer: the mean entropy of the attention rows (entropy collapse)
+LOG_Z = "stability/log_z"                     # the mean log Σ exp(logits) of the output (output-logit divergence)
 
 LIPSCHITZ = "lipschitz"
 ROBUST = "robust"

@@ -1,6 +1,7 @@
 """`stability report`: the table and plots made from the event files of real tiny runs, labels of
 plain runs, histogram quantiles."""
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -145,3 +146,43 @@ def test_the_paper_bound_plot_marks_the_frontier(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_accuracy_vs_paper_bound(configs[:1], styles, tmp_path / "none.png", "t") == []
     assert not (tmp_path / "none.png").exists()
+
+
+def _lr_run(lr, seed, loss, status="completed", stabilizer="none"):
+    scalars = {"val/loss": [(0, 9.0), (1, loss)]} if loss is not None else {}
+    config = {"model": {"num_classes": 10, "lr": lr}, "seed_everything": seed, "stabilizer": stabilizer}
+    return RunRecord(Path(f"r{lr}-{seed}"), config, status, scalars, {},
+                     configuration=f"stabilizer={stabilizer}, lr={lr}")
+
+
+def test_lr_sensitivity_is_wortsmans_expected_capped_loss_minus_the_best():
+    """Seed 0: losses 0.5, 0.2, 3.0 (capped at log 10) → mean(0.5, 0.2, log 10) − 0.2; seed 1: 0.4, 0.3 and a
+    diverged run (log 10) → mean(0.4, 0.3, log 10) − 0.3. The largest stable η is 0.01; 2 of 7 runs diverged."""
+    from stability.report.aggregate import group
+    from stability.report.lr_sensitivity import lr_families, lr_table
+
+    cap = math.log(10)
+    runs = [_lr_run(1e-3, 0, 0.5), _lr_run(1e-2, 0, 0.2), _lr_run(1e-1, 0, 3.0),
+            _lr_run(1e-3, 1, 0.4), _lr_run(1e-2, 1, 0.3), _lr_run(1e-1, 1, 0.1, "diverged"),
+            _lr_run(1e-1, 2, None, "diverged")]
+    families = lr_families(group(runs))
+    assert len(families) == 1
+    family = families[0]
+    assert family.lrs == [1e-3, 1e-2, 1e-1] and family.label == "stabilizer=none"
+    expected = [(0.5 + 0.2 + cap) / 3 - 0.2, (0.4 + 0.3 + cap) / 3 - 0.3]
+    assert family.sensitivity() == pytest.approx(expected)  # seed 2 ran at one η only: left out
+    assert family.largest_stable_lr() == 1e-2
+    assert family.divergence() == (2, 7)
+    row = lr_table(families).splitlines()[-1]
+    assert "lr 0.001–0.1 (3)" in row and "| 0.01 |" in row and "2/7" in row
+
+
+def test_lr_families_need_two_learning_rates_and_keep_methods_apart(tmp_path):
+    from stability.report.aggregate import group
+    from stability.report.lr_sensitivity import lr_families, plot_loss_vs_lr
+
+    runs = [_lr_run(1e-3, 0, 0.5), _lr_run(1e-2, 0, 0.2), _lr_run(1e-3, 0, 0.6, stabilizer="qk_norm"),
+            _lr_run(1e-2, 0, 0.1, stabilizer="qk_norm"), _lr_run(1e-3, 0, 0.3, stabilizer="z_loss")]
+    families = lr_families(group(runs))
+    assert [f.label for f in families] == ["stabilizer=none", "stabilizer=qk_norm"]
+    assert plot_loss_vs_lr(families, tmp_path / "lr.png", "t") and (tmp_path / "lr.png").is_file()

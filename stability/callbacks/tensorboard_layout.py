@@ -18,8 +18,12 @@ CUSTOM_SCALARS = {
     "stability": {"loss terms": ["Multiline", [tags.per_step(tags.TRAIN_LOSS), r"loss/.*_step"]],
                   "gradient norms": ["Multiline", [rf"{tags.GRAD_NORM}.*"]],
                   "max |activation|": ["Multiline", [rf"{tags.ACT_MAX}/.*"]],
+                  "max attention logit": ["Multiline", [rf"{tags.ATTN_LOGIT_MAX}/.*"]],
+                  "attention entropy": ["Multiline", [rf"{tags.ATTN_ENTROPY}/.*"]],
+                  "output log Z": ["Multiline", [tags.LOG_Z]],
                   "spikes": ["Multiline", [tags.LOSS_SPIKES, tags.DIVERGED_AT_STEP]],
-                  "stabilizers": ["Multiline", [r"stability/(?!grad_norm|act_max|loss_spikes|diverged_at_step).+"]]},
+                  "stabilizers": ["Multiline", [r"stability/(?!grad_norm|act_max|attn_logit_max|attn_entropy|log_z"
+                                                r"|loss_spikes|diverged_at_step).+"]]},
 }
 
 

@@ -175,6 +175,8 @@ def lipschitz_transformer_bound(network: nn.Module) -> Bound:
 
 def certified_bound(network: nn.Module) -> tuple[Bound | None, str]:
     """(bound, "") or (None, reason)."""
+    if getattr(network, "logit_cap", None) is not None:
+        return None, "the final logits are soft-capped (softcap): no certificate is composed through the cap"
     blocks = getattr(network.backbone, "blocks", None)
     convex = blocks is not None and len(blocks) and isinstance(blocks[0], ConvexResidualBlock)
     try:

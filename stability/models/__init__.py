@@ -7,6 +7,7 @@ from .registry import BUILDERS, PRESETS, build_backbone
 from .surgery import (
     LINEAR_CHOICES,
     ROLES,
+    dot_product_kernels,
     linear_layers,
     linear_patch_embedding,
     linear_role,
@@ -28,6 +29,7 @@ from .view import (
     capture_queries_keys,
     explicit_attention,
     norm_sites,
+    observe_attention_logits,
     patch_embed,
     residual_sites,
     supports_query_key_capture,
@@ -36,8 +38,9 @@ from .view import (
 __all__ = [
     "AttentionSite", "BUILDERS", "CSWinTransformer", "ConvexResidualBlock", "KernelAttention",
     "KernelWindowAttention", "LINEAR_CHOICES", "Network", "NormSite", "PRESETS", "PatchLinear", "ROLES",
-    "ResidualSite", "SplitQKV", "attention_sites", "build_backbone", "capture_attention", "capture_queries_keys",
-    "explicit_attention", "linear_layers", "linear_patch_embedding", "linear_role", "norm_sites", "patch_embed",
+    "ResidualSite", "SplitQKV", "attention_sites", "build_backbone", "capture_attention",
+    "capture_queries_keys", "dot_product_kernels", "explicit_attention", "linear_layers",
+    "linear_patch_embedding", "linear_role", "norm_sites", "observe_attention_logits", "patch_embed",
     "remove_biases", "replace_activations", "replace_attention_kernel", "replace_attention_kernels",
     "replace_submodule", "residual_sites", "split_qkv", "supports_query_key_capture", "use_convex_residuals",
     "without_dropout",

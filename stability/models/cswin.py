@@ -73,6 +73,7 @@ class CrossShapedAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.lepe = nn.ModuleList(
             nn.Conv2d(branch_dim, branch_dim, 3, padding=1, groups=branch_dim) for _ in self.stripes)
+        self.softmax = nn.Softmax(dim=-1)  # a module, so that its input (the logits) can be observed
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -104,7 +105,7 @@ class CrossShapedAttention(nn.Module):
                 q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
         else:
             attn = (q * self.scale) @ k.transpose(-2, -1)
-            attn = self.attn_drop(attn.softmax(dim=-1))  # (B·nW, h, N, N)
+            attn = self.attn_drop(self.softmax(attn))  # (B·nW, h, N, N)
             out = attn @ v
         out = (out.transpose(1, 2).reshape(-1, n, cb) + pos) / self.branch_divisor
         return from_stripes(out, sh, sw, h, w)

@@ -13,6 +13,7 @@ from timm.layers import Attention as TimmAttention
 from timm.models.swin_transformer import WindowAttention
 from torch import nn
 
+from ..nn.dot_attention import DotProductKernel
 from .adapters import ConvexResidualBlock, KernelAttention, KernelWindowAttention, PatchLinear, SplitQKV
 from .cswin import CrossShapedAttention
 from .view import attention_sites, residual_sites
@@ -30,6 +31,10 @@ def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 def replace_attention_kernel(backbone: nn.Module, name: str, module: nn.Module, kernel: nn.Module) -> None:
     """Make attention module ``name`` compute its heads with ``kernel`` (ViT, Swin or CSwin)."""
+    current = getattr(module, "kernel", None)
+    if current is not None:
+        raise ValueError(f"attention {name!r} already computes its heads with {type(current).__name__} "
+                         f"(another stabilizer replaced them); a second replacement would undo the first")
     if isinstance(module, CrossShapedAttention):
         module.kernel = kernel
     elif isinstance(module, WindowAttention):
@@ -39,6 +44,34 @@ def replace_attention_kernel(backbone: nn.Module, name: str, module: nn.Module, 
     else:
         raise ValueError(f"no replacement attention kernel for {type(module).__name__} "
                          f"(supported: timm Attention, timm WindowAttention, CrossShapedAttention)")
+
+
+def dot_product_kernels(backbone: nn.Module, who: str) -> list[DotProductKernel]:
+    """The :class:`~stability.nn.dot_attention.DotProductKernel` of every attention module, installed where the
+    module still computes its own dot-product attention (the same function: scale, bias and mask kept; timm's
+    ``q_norm`` / ``k_norm`` carried over), so that several stabilizers (``who``, for errors) can change one kernel.
+    A module already holding another kernel (cosine, Lipschitz) is a conflict, named in the error."""
+    kernels = []
+    for site in attention_sites(backbone):
+        module = site.module
+        kernel = getattr(module, "kernel", None)
+        if kernel is None:
+            if isinstance(module, TimmAttention):
+                for part in ("norm", "gate"):
+                    if not isinstance(getattr(module, part, None), (nn.Identity, type(None))):
+                        raise ValueError(f"{who}: attention {site.name!r} has a {part} layer the kernel would drop")
+                kernel = DotProductKernel(module.scale, module.q_norm, module.k_norm)
+            elif isinstance(module, (WindowAttention, CrossShapedAttention)):
+                kernel = DotProductKernel(module.scale)
+            else:
+                raise ValueError(f"{who}: attention {site.name!r} is a {type(module).__name__}, not a dot-product "
+                                 f"attention it can change (supported: timm Attention, WindowAttention, CSwin)")
+            replace_attention_kernel(backbone, site.name, module, kernel)
+        elif not isinstance(kernel, DotProductKernel):
+            raise ValueError(f"{who}: attention {site.name!r} computes its heads with {type(kernel).__name__} "
+                             f"(set by another stabilizer), not a dot product; {who} applies to dot-product attention")
+        kernels.append(kernel)
+    return kernels
 
 
 def replace_attention_kernels(backbone: nn.Module, make_kernel: Callable[[nn.Module], nn.Module]) -> None:

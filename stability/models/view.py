@@ -17,7 +17,7 @@ The fused (flash / SDPA) path stays on unless a caller asks for the probabilitie
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -224,3 +224,62 @@ def capture_queries_keys(backbone: nn.Module) -> Iterator[list[tuple[torch.Tenso
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def observe_attention_logits(backbone: nn.Module, observe: Callable[[str, torch.Tensor], None]) -> Iterator[list[str]]:
+    """Call ``observe(site_name, logits)`` with the softmax input (B', H, N, N) of every attention call inside the
+    block, detached and without gradient. Yields the names of the sites whose logits cannot be observed.
+
+    timm's plain ViT ``Attention`` keeps its fused path: the logits are scale·q kᵀ from its (normed) q and k. A
+    replacement kernel gives them through its ``logits(q, k, bias)``. Otherwise (timm's Swin ``WindowAttention``,
+    CSwin without a kernel) they are the input of the module's ``softmax``, and the explicit path is switched on
+    inside the block (the same function, rounded differently)."""
+    from timm.layers import Attention
+
+    handles, explicit, unobserved = [], [], []
+    pending: dict[int, torch.Tensor] = {}
+
+    def from_queries(module):
+        def hook(_norm, _inputs, output):
+            pending[id(module)] = output
+        return hook
+
+    def from_keys(name, module):
+        def hook(_norm, _inputs, output):
+            with torch.no_grad():
+                observe(name, module.scale * (pending.pop(id(module)).detach() @ output.detach().transpose(-2, -1)))
+        return hook
+
+    def from_kernel(name):
+        def hook(kernel, args):
+            with torch.no_grad():
+                q, k, _v, bias = (a.detach() if isinstance(a, torch.Tensor) else a for a in args[:4])
+                observe(name, kernel.logits(q, k, bias))
+        return hook
+
+    def from_softmax(name):
+        def hook(_softmax, args):
+            observe(name, args[0].detach())
+        return hook
+
+    for site in attention_sites(backbone):
+        module, kernel = site.module, getattr(site.module, "kernel", None)
+        if type(module) is Attention:
+            handles += [module.q_norm.register_forward_hook(from_queries(module)),
+                        module.k_norm.register_forward_hook(from_keys(site.name, module))]
+        elif kernel is not None and hasattr(kernel, "logits"):
+            handles.append(kernel.register_forward_pre_hook(from_kernel(site.name)))
+        elif isinstance(getattr(module, "softmax", None), nn.Softmax):
+            handles.append(module.softmax.register_forward_pre_hook(from_softmax(site.name)))
+            explicit.append((module, module.fused_attn))
+            module.fused_attn = False
+        else:
+            unobserved.append(site.name)
+    try:
+        yield unobserved
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, fused in explicit:
+            module.fused_attn = fused

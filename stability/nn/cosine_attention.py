@@ -39,18 +39,19 @@ class ScaledCosineKernel(nn.Module):
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.eps)
 
+    def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The softmax's input τ·q̂k̂ᵀ + B, (B', h, N, N)."""
+        logits = self.tau * (self.normalize(q) @ self.normalize(k).transpose(-2, -1))
+        return logits if bias is None else logits + bias
+
     def forward(self, q, k, v, bias: torch.Tensor | None, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
-        q, k = self.normalize(q), self.normalize(k)
         if self.normalize_v:
             v = self.normalize(v)
         if fused:
-            out = F.scaled_dot_product_attention(self.tau * q, k, v, attn_mask=bias, scale=1.0,
-                                                 dropout_p=attn_drop.p if self.training else 0.0)
+            out = F.scaled_dot_product_attention(self.tau * self.normalize(q), self.normalize(k), v, attn_mask=bias,
+                                                 scale=1.0, dropout_p=attn_drop.p if self.training else 0.0)
         else:
-            logits = self.tau * (q @ k.transpose(-2, -1))
-            if bias is not None:
-                logits = logits + bias
-            out = attn_drop(logits.softmax(dim=-1)) @ v
+            out = attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
         return out * (self.nu * self.head_factor)
 
 

@@ -27,14 +27,15 @@ class LipschitzDotKernel(nn.Module):
         super().__init__()
         self.head_dim, self.s = head_dim, s
 
+    def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The softmax's input s·QKᵀ/d + B, (B', h, N, N)."""
+        logits = (self.s / self.head_dim) * (q @ k.transpose(-2, -1))
+        return logits if bias is None else logits + bias
+
     def forward(self, q, k, v, bias, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
-        scale = self.s / self.head_dim
         if fused:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.s / self.head_dim,
                                                  dropout_p=attn_drop.p if self.training else 0.0)
         else:
-            logits = scale * (q @ k.transpose(-2, -1))
-            if bias is not None:
-                logits = logits + bias
-            out = attn_drop(logits.softmax(dim=-1)) @ v
+            out = attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
         return out / 3.0

@@ -13,7 +13,9 @@ configuration, and writes under ``results/<study>/`` (``--out``):
 * ``accuracy_vs_lipschitz.png``, ``robust_vs_budget.png``, ``loss_curves.png``,
   ``lipschitz_distribution.png``, and ``accuracy_vs_certified.png`` where runs have a certified bound;
   ``accuracy_vs_paper_bound.png`` where they have the Lipschitz transformer's paper bound, with the
-  accuracy–bound frontier marked and named in ``report.md``.
+  accuracy–bound frontier marked and named in ``report.md``;
+* where configurations differ only in their learning rate: Wortsman et al.'s LR sensitivity, the largest stable
+  learning rate and the divergence rate per family (a table in ``report.md``), and ``loss_vs_lr.png``.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from .. import exit_codes, tags
 from .aggregate import group, label_configurations, sweep_order, table
+from .lr_sensitivity import lr_families, lr_table, plot_loss_vs_lr
 from .plots import (
     line_styles,
     plot_accuracy_vs_lipschitz,
@@ -81,6 +84,14 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
     if front:
         lines += ["On the accuracy–bound frontier (no configuration with a smaller paper's bound is more accurate; "
                   "means over seeds): " + "; ".join(f"`{label}`" for label in front) + ".", ""]
+    families = lr_families(configurations)
+    if families:
+        plots["loss_vs_lr.png"] = plot_loss_vs_lr(families, out / "loss_vs_lr.png", study)
+        lines += ["## Learning-rate sensitivity", "",
+                  "Configurations that differ only in their learning rate η (Wortsman et al. 2023): LR sensitivity = "
+                  "mean over η of min(ℓ(η), ℓ₀) − min over η of ℓ(η), ℓ the final validation loss, ℓ₀ = log K the "
+                  "loss at initialisation, a diverged run counting as ℓ₀; mean ± std over seeds. Largest stable η: "
+                  "every seed finished without diverging and below ℓ₀.", "", lr_table(families), ""]
     for name, drawn in plots.items():
         if drawn:
             lines += [f"![{name[:-4]}]({name})", ""]

@@ -44,6 +44,10 @@ def build_stabilizers(spec: str | Sequence[str], options: dict[str, dict[str, An
     stray = sorted(set(options) - set(names))
     if stray:
         raise ValueError(f"options given for stabilizer(s) {stray} that are not selected (selected: {names})")
+    for a in names:
+        for b in names:
+            if b in REGISTRY[a].conflicts:
+                raise ValueError(f"stabilizers {a!r} and {b!r} cannot be combined: {REGISTRY[a].conflicts[b]}")
     stabilizers = []
     for name in names:
         try:

@@ -91,6 +91,7 @@ class Stabilizer:
     needs_attention_probs: bool = False  # a class or an instance attribute
     needs_queries_keys: bool = False  # (q, k, scale) of every attention call, fused path kept (ViT)
     wants_constrained_network: bool = False  # the run lists the parameters no stabilizer constrains
+    conflicts: ClassVar[dict[str, str]] = {}  # stabilizers it cannot be combined with, and why (either side may say)
 
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""

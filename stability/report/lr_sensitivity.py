@@ -1,0 +1,157 @@
+"""Learning-rate sensitivity (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training
+instabilities", §2 and Figure 1): how much a method's final loss depends on its learning rate.
+
+For a family of configurations that differ only in their learning rate η, over the η a sweep ran (log-uniform in
+practice):
+
+    LR sensitivity = E_η[min(ℓ(η), ℓ₀)] − min_η ℓ(η),
+
+ℓ(η) the final validation loss, ℓ₀ the loss at initialisation — here log K for K classes, the loss of the uniform
+prediction, which is what these classifiers start at (their heads start small or at zero) — and a diverged run
+counting as ℓ₀. It is computed per seed (each seed over the same learning rates) and reported as mean ± sample
+std over seeds. Beside it: the largest stable learning rate (every seed finished without diverging and below ℓ₀)
+and the divergence rate over all the family's runs.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from .. import tags
+from .aggregate import Configuration, mean_std
+
+LR_KEYS_END = "lr"  # model.lr (labelled "lr") or a stabilizer's own, e.g. muon.lr
+
+
+def _parts(label: str) -> list[tuple[str, str]]:
+    return [tuple(part.split("=", 1)) if "=" in part else (part, "") for part in label.split(", ")]
+
+
+def _is_lr(key: str) -> bool:
+    return key.rpartition(".")[2] == LR_KEYS_END
+
+
+@dataclass
+class LRFamily:
+    """Configurations that differ only in their learning rate."""
+
+    label: str
+    lr_key: str
+    points: dict[float, Configuration] = field(default_factory=dict)  # η → configuration (its seeds)
+
+    @property
+    def lrs(self) -> list[float]:
+        return sorted(self.points)
+
+    def initial_loss(self) -> float:
+        """ℓ₀ = log K."""
+        run = next(iter(self.points.values())).runs[0]
+        return math.log(int((run.config.get("model") or {}).get("num_classes", 10)))
+
+    def final_loss(self, run) -> float:
+        """min(final validation loss, ℓ₀); ℓ₀ for a diverged run or a non-finite loss."""
+        cap = self.initial_loss()
+        value = run.last(tags.stage_metric("val", "loss"))
+        if run.status == "diverged" or value is None or not math.isfinite(value):
+            return cap
+        return min(value, cap)
+
+    def losses_by_seed(self) -> dict[object, dict[float, float]]:
+        """seed → {η: capped final loss}, only for seeds that ran at every η of the family."""
+        table: dict[object, dict[float, float]] = {}
+        for lr, config in self.points.items():
+            for run in config.runs:
+                table.setdefault(run.seed, {})[lr] = self.final_loss(run)
+        return {seed: losses for seed, losses in table.items() if len(losses) == len(self.points)}
+
+    def sensitivity(self) -> list[float]:
+        """LR sensitivity per seed."""
+        return [statistics.fmean(losses.values()) - min(losses.values())
+                for losses in self.losses_by_seed().values()]
+
+    def mean_losses(self) -> dict[float, tuple[float, float]]:
+        """η → (mean, sample std) of the capped final loss over seeds."""
+        out = {}
+        for lr, config in sorted(self.points.items()):
+            values = [self.final_loss(run) for run in config.runs]
+            out[lr] = (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+        return out
+
+    def largest_stable_lr(self) -> float | None:
+        """The largest η at which every seed finished without diverging and below ℓ₀."""
+        cap = self.initial_loss()
+        stable = [lr for lr, config in self.points.items()
+                  if all(run.status != "diverged" and self.final_loss(run) < cap for run in config.runs)]
+        return max(stable) if stable else None
+
+    def divergence(self) -> tuple[int, int]:
+        runs = [run for config in self.points.values() for run in config.runs]
+        return sum(run.status == "diverged" for run in runs), len(runs)
+
+
+def lr_families(configurations: list[Configuration]) -> list[LRFamily]:
+    """Families of configurations whose labels differ only in one learning-rate setting (≥ 2 learning rates);
+    a label with two (say ``lr`` fixed and ``muon.lr`` swept) belongs to the family of the one that varies."""
+    families: dict[str, LRFamily] = {}
+    for config in configurations:
+        parts = _parts(config.label)
+        for key, value in parts:
+            if not _is_lr(key):
+                continue
+            try:
+                lr = float(value)
+            except ValueError:
+                continue
+            rest = ", ".join(f"{k}={v}" if v else k for k, v in parts if k != key) or config.stabilizer
+            family = families.setdefault(f"{rest} [{key}]", LRFamily(rest, key))
+            family.points[lr] = config
+    return [family for family in families.values() if len(family.points) >= 2]
+
+
+def lr_table(families: list[LRFamily]) -> str:
+    """One row per family: the learning rates, LR sensitivity (mean ± std over seeds), the best final loss and
+    where, the largest stable learning rate and the divergence rate."""
+    lines = ["| configuration | learning rates | seeds | LR sensitivity | best final loss (at η) | largest stable η "
+             "| diverged |", "|---|---|---|---|---|---|---|"]
+    for family in families:
+        means = family.mean_losses()
+        best = min(means, key=lambda lr: means[lr][0])
+        stable = family.largest_stable_lr()
+        diverged, runs = family.divergence()
+        seeds = len(family.losses_by_seed())
+        lrs = family.lrs
+        lines.append(f"| {family.label} | {family.lr_key} {lrs[0]:g}–{lrs[-1]:g} ({len(lrs)}) | {seeds} "
+                     f"| {mean_std(family.sensitivity())} | {means[best][0]:.3g} ({best:g}) "
+                     f"| {'none' if stable is None else f'{stable:g}'} | {diverged}/{runs} |")
+    return "\n".join(lines)
+
+
+def plot_loss_vs_lr(families: list[LRFamily], path, title: str) -> bool:
+    """Final validation loss (capped at ℓ₀) against the learning rate, one curve per family (Wortsman et al.,
+    Figure 1): mean over seeds with its std; a cross marks a learning rate where some seed diverged."""
+    import matplotlib
+
+    from .plots import _figure, _finish
+
+    plt, fig, ax = _figure(9, 5 + (0.2 * len(families) if len(families) > 6 else 0))
+    palette = matplotlib.colormaps["tab20"].colors
+    drawn, cap = 0, None
+    for index, family in enumerate(families):
+        means = family.mean_losses()
+        lrs = family.lrs
+        colour = palette[index % len(palette)]
+        ax.errorbar(lrs, [means[lr][0] for lr in lrs], yerr=[means[lr][1] for lr in lrs], color=colour,
+                    marker="o", markersize=4, capsize=2, linewidth=1.3, label=family.label)
+        cap = family.initial_loss()
+        diverged = [lr for lr in lrs if any(run.status == "diverged" for run in family.points[lr].runs)]
+        ax.scatter(diverged, [cap] * len(diverged), marker="x", s=60, color=colour, zorder=3)
+        drawn += 1
+    if cap is not None:
+        ax.axhline(cap, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final validation loss (capped at the initial loss log K)")
+    return _finish(plt, fig, ax, drawn, path,
+                   f"{title}: final loss vs learning rate (× a seed diverged; dotted: log K)")

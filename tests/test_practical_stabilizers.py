@@ -1,0 +1,221 @@
+"""The practical stabilizers the Lipschitz papers claim to replace — QK norm, σReparam, z-loss, soft-capping —
+against their definitions, and the attention signals of the training-stability monitor against the logits
+computed by hand."""
+import math
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from timm.layers import Attention
+from torch import nn
+
+from stability.callbacks import TrainingStability
+from stability.classifier import ImageClassifier
+from stability.data import Digits
+from stability.models import attention_sites, capture_attention, observe_attention_logits, without_dropout
+from stability.models.surgery import dot_product_kernels
+from stability.stabilizers import build_stabilizers
+from stability.stabilizers.z_loss import ZLoss
+
+BACKBONES = {"vit": (8, dict(embed_dim=16, depth=2, num_heads=2)),
+             "swin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2))),
+             "cswin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2)))}
+
+
+def build(backbone="vit", stabilizer="none", options=None):
+    size, backbone_options = BACKBONES[backbone]
+    torch.manual_seed(0)
+    return without_dropout(ImageClassifier(backbone=backbone, image_size=size, backbone_options=backbone_options,
+                                           stabilizer=stabilizer, stabilizer_options=options))
+
+
+def images(module, count=4):
+    size = module.hparams.image_size
+    return torch.rand(count, 1, size, size, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_installed_dot_product_kernel_computes_the_backbones_own_attention(backbone, fused):
+    module = build(backbone).eval()
+    x = images(module)
+    with torch.no_grad():
+        before = module.network(x)
+        dot_product_kernels(module.network.backbone, "test")
+        for site in attention_sites(module.network.backbone):
+            site.module.fused_attn = fused
+        after = module.network(x)
+    assert torch.allclose(before, after, atol=1e-6)
+
+
+def test_qk_norm_is_timms_qk_norm():
+    """Against timm's own ``Attention(qk_norm=True)`` with the same weights (LayerNorm ε = 1e-6, as timm's ViT)."""
+    torch.manual_seed(0)
+    reference = Attention(16, num_heads=2, qkv_bias=True, qk_norm=True, norm_layer=partial(nn.LayerNorm, eps=1e-6))
+    with torch.no_grad():
+        for norm in (reference.q_norm, reference.k_norm):
+            norm.weight.uniform_(0.5, 2.0)
+            norm.bias.uniform_(-0.5, 0.5)
+    module = build("vit", "qk_norm").eval()
+    site = attention_sites(module.network.backbone)[0]
+    plain = Attention(16, num_heads=2, qkv_bias=True)
+    plain.load_state_dict({k: v for k, v in reference.state_dict().items() if "_norm" not in k})
+    site.module.qkv, site.module.proj = plain.qkv, plain.proj
+    site.module.kernel.q_norm.load_state_dict(reference.q_norm.state_dict())
+    site.module.kernel.k_norm.load_state_dict(reference.k_norm.state_dict())
+    x = torch.randn(3, 5, 16)
+    for fused in (True, False):
+        site.module.fused_attn = reference.fused_attn = fused
+        assert torch.allclose(site.module(x), reference(x), atol=1e-6)
+
+
+def test_qk_norm_rmsnorm_normalises_each_heads_queries_and_keys():
+    module = build("vit", "qk_norm", {"qk_norm": {"norm": "rmsnorm"}}).eval()
+    site = attention_sites(module.network.backbone)[0]
+    x = torch.randn(2, 5, 16)
+    seen = []
+    with observe_attention_logits(module.network.backbone, lambda name, logits: seen.append(logits)):
+        site.module(x)
+    q, k, _ = site.module.qkv(x).reshape(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    rms = lambda t: t / t.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()  # noqa: E731 (the definition)
+    assert torch.allclose(seen[0], rms(q) @ rms(k).transpose(-2, -1) / math.sqrt(8), atol=1e-5)
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_softcap_bounds_the_attention_and_final_logits_by_their_caps(backbone):
+    module = build(backbone, "softcap", {"softcap": {"attention": 5.0, "logits": 3.0}}).eval()
+    with torch.no_grad():  # weights large enough that the uncapped logits are far beyond the caps
+        for site in attention_sites(module.network.backbone):
+            site.qkv.weight.mul_(30.0)
+        head = module.network.backbone.head
+        (head.fc if hasattr(head, "fc") else head).weight.mul_(100.0)
+    seen = []
+    with torch.no_grad(), observe_attention_logits(module.network.backbone, lambda name, t: seen.append(t)):
+        logits = module.network(images(module))
+    if backbone == "swin":  # the relative-position bias and the shift mask are added after the cap
+        assert max(float(t.amax()) for t in seen) > 4.0
+    else:
+        assert 4.0 < max(float(t.abs().amax()) for t in seen) <= 5.0
+    module.network.logit_cap = None
+    with torch.no_grad():
+        uncapped = module.network(images(module))
+    assert float(uncapped.abs().amax()) > 10.0
+    assert torch.allclose(logits, 3.0 * torch.tanh(uncapped / 3.0), atol=1e-6)
+
+
+def test_softcap_is_the_identity_near_zero():
+    from stability.nn.dot_attention import soft_cap
+
+    x = torch.linspace(-0.01, 0.01, 11)
+    assert torch.allclose(soft_cap(x, 30.0), x, atol=1e-9)
+
+
+def test_z_loss_is_lambda_times_the_mean_squared_log_normaliser():
+    logits = torch.randn(6, 10) * 5 + 3
+    step = type("Step", (), {"logits": logits})()
+    expected = 1e-4 * (logits.double().exp().sum(-1).log() ** 2).mean()
+    assert abs(float(ZLoss().loss(step)) - float(expected)) < 1e-9
+    with torch.autocast("cpu", torch.bfloat16):
+        assert ZLoss(lam=1.0).loss(type("Step", (), {"logits": logits.bfloat16()})()).dtype == torch.float32
+
+
+def test_sigma_reparam_keeps_the_function_at_init_and_keeps_gamma_as_the_spectral_norm():
+    plain = build("vit").eval()
+    module = build("vit", "sigma_reparam").eval()
+    x = images(module)
+    with torch.no_grad():
+        assert torch.allclose(plain.network(x), module.network(x), atol=1e-5)
+    stab = module.stabilizers[0]
+    linear = module.network.backbone.blocks[0].attn.qkv
+    para = linear.parametrizations.weight[0]
+    assert len(stab._parametrizations) == sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in plain.network.modules())
+    with torch.no_grad():
+        linear.parametrizations.weight.original.add_(0.3 * torch.randn_like(linear.weight))
+        para.gamma.fill_(2.5)
+        module.train()
+        for _ in range(200):  # one power-iteration step per training forward
+            linear(torch.zeros(1, 16))
+        module.eval()
+        effective = torch.linalg.matrix_norm(linear.weight.double(), ord=2)
+        raw = torch.linalg.matrix_norm(linear.parametrizations.weight.original.double(), ord=2)
+    assert abs(float(effective) - 2.5) < 1e-4 and abs(float(para.sigma) - float(raw)) < 1e-4 * float(raw)
+    u = para.u.clone()
+    with torch.no_grad():
+        linear(torch.zeros(1, 16))  # evaluation mode: u stays
+    assert torch.equal(u, para.u)
+
+
+def test_sigma_reparam_trains_gamma_and_computes_sigma_in_float32_under_autocast():
+    module = build("vit", "sigma_reparam").train()
+    linear = module.network.backbone.blocks[0].mlp.fc1
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = module.network(images(module)).float().square().mean()
+    loss.backward()
+    para = linear.parametrizations.weight[0]
+    assert para.gamma.grad is not None and float(para.gamma.grad.abs()) > 0
+    assert para.u.dtype == torch.float32 and para.sigma.dtype == torch.float32
+
+
+@pytest.mark.parametrize("spec, options, message", [
+    ("sigma_reparam,muon", None, "cannot be combined"),
+    ("spectral_norm,sigma_reparam", None, "cannot be combined"),
+    ("softcap", {"softcap": {"attention": None, "logits": None}}, "nothing would be capped"),
+    ("softcap", {"softcap": {"attention": -1.0}}, "must be > 0"),
+    ("qk_norm", {"qk_norm": {"norm": "batchnorm"}}, "layernorm"),
+])
+def test_bad_combinations_and_options_say_why(spec, options, message):
+    with pytest.raises(ValueError, match=message):
+        build_stabilizers(spec, options)
+
+
+@pytest.mark.parametrize("spec", ["lipsformer,qk_norm", "lipschitz_transformer,softcap", "qk_norm,lipsformer"])
+def test_changing_a_replaced_attention_kernel_names_the_conflict(spec):
+    with pytest.raises(ValueError, match="already computes its heads|not a dot product"):
+        build("vit", spec)
+
+
+def test_qk_norm_composes_with_softcap_and_dot_product_lipsformer():
+    module = build("vit", "lipsformer,qk_norm,softcap", {"lipsformer": {"attention": "dot"}})
+    kernel = attention_sites(module.network.backbone)[0].module.kernel
+    assert isinstance(kernel.q_norm, nn.LayerNorm) and kernel.logit_cap == 50.0 and module.network.logit_cap == 30.0
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+@pytest.mark.parametrize("stabilizer", ["none", "qk_norm", "softcap", "lipsformer"])
+def test_the_observed_logits_are_those_of_the_softmax(backbone, stabilizer):
+    """softmax(observed logits) = the attention probabilities the forward used (explicit path), call by call."""
+    module = build(backbone, stabilizer).eval()
+    x = images(module)
+    seen = []
+    with torch.no_grad():
+        with observe_attention_logits(module.network.backbone, lambda name, t: seen.append((name, t))) as missing:
+            observed_out = module.network(x)
+        with capture_attention(module.network.backbone) as probs:
+            explicit_out = module.network(x)
+    assert not missing and len(seen) == len(probs) > 0
+    assert torch.allclose(observed_out, explicit_out, atol=1e-5)
+    for (_, logits), p in zip(seen, probs):
+        assert torch.allclose(logits.softmax(-1), p, atol=1e-5)
+
+
+def test_the_monitor_logs_attention_logits_entropy_and_log_z_on_logging_steps_only():
+    L.seed_everything(0)
+    module = build("vit")
+    logged = []
+
+    class Spy(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("stability/")
+                           and ("attn" in k or "log_z" in k)})
+
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=2, callbacks=[TrainingStability(log_every_n_steps=2), Spy()])
+    trainer.fit(module, Digits(image_size=8, batch_size=16))
+    names = [site.name for site in attention_sites(module.network.backbone)]
+    assert not logged[0] and set(logged[1]) == ({f"stability/attn_logit_max/{n}" for n in names}
+                                               | {f"stability/attn_entropy/{n}" for n in names} | {"stability/log_z"})
+    for n in names:  # 17 tokens: the entropy lies in [0, log 17]
+        assert 0.0 <= logged[1][f"stability/attn_entropy/{n}"] <= math.log(17) + 1e-5
+    assert all(math.isfinite(v) for v in logged[1].values())
