@@ -186,3 +186,19 @@ def test_lr_families_need_two_learning_rates_and_keep_methods_apart(tmp_path):
     families = lr_families(group(runs))
     assert [f.label for f in families] == ["stabilizer=none", "stabilizer=qk_norm"]
     assert plot_loss_vs_lr(families, tmp_path / "lr.png", "t") and (tmp_path / "lr.png").is_file()
+
+
+def test_a_family_follows_the_learning_rate_that_varies_when_a_label_has_two():
+    """The Lipschitz transformer's runs fix ``lr`` (AdamW's, for the few parameters Muon does not take) and sweep
+    ``muon.lr``: one family over muon.lr, none over the fixed lr."""
+    from stability.report.aggregate import group
+    from stability.report.lr_sensitivity import lr_families
+
+    runs = []
+    for muon_lr, loss in ((0.01, 0.4), (0.1, 0.2)):
+        run = _lr_run(0.05, 0, loss, stabilizer="lipschitz_transformer+muon")
+        run.configuration = f"stabilizer=lipschitz_transformer+muon, lr=0.05, muon.lr={muon_lr}"
+        runs.append(run)
+    families = lr_families(group(runs))
+    assert [(f.label, f.lr_key, f.lrs) for f in families] == [
+        ("stabilizer=lipschitz_transformer+muon, lr=0.05", "muon.lr", [0.01, 0.1])]

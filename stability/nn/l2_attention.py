@@ -63,6 +63,9 @@ class L2MultiHeadAttention(nn.Module):
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
+        if getattr(original, "kernel", None) is not None:
+            raise ValueError(f"L2 attention replaces a plain ViT attention; this one computes its heads with "
+                             f"{type(original.kernel).__name__} (set by another stabilizer)")
         self.num_heads = original.num_heads
         self.head_dim = original.qkv.out_features // (3 * self.num_heads)
         self.fused_attn = True

@@ -115,6 +115,11 @@ class LipschitzTransformer(Stabilizer):
     @staticmethod
     def _use_l2_attention(backbone: nn.Module) -> None:
         sites = attention_sites(backbone)
+        changed = [site.name for site in sites if getattr(site.module, "kernel", None) is not None]
+        if changed:
+            raise ValueError(f"lipschitz_transformer: attention: l2 replaces plain ViT attention, but {changed[0]} "
+                             f"computes its heads with {type(sites[0].module.kernel).__name__} (another stabilizer "
+                             f"changed it)")
         if not all(type(site.module) is TimmAttention for site in sites):
             raise ValueError("lipschitz_transformer: attention: l2 is implemented for the ViT backbone's attention "
                              "(use attention: dot on Swin and CSwin)")

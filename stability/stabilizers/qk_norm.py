@@ -32,6 +32,7 @@ class QKNorm(Stabilizer):
     name = "qk_norm"
     summary = "LayerNorm (or RMSNorm) over each head's queries and keys before the dot product"
     source = "Dehghani et al. 2023; Wortsman et al. 2023"
+    prepare_order = 0  # changes the attention modules: before the stabilizers that read them (jasmin's choice of path)
 
     def __init__(self, norm: Literal["layernorm", "rmsnorm"] = "layernorm", eps: float = 1e-6) -> None:
         if norm not in NORMS:

@@ -1,5 +1,5 @@
 """σReparam (Zhai et al. 2023, "Stabilizing Transformer Training by Preventing Attention Entropy Collapse", Eq. 3;
-docs/methods.md#sigma-reparam):
+docs/methods.md#σreparam):
 
     Ŵ = (γ / σ₁(W)) · W,
 

@@ -26,6 +26,7 @@ class SoftCap(Stabilizer):
     name = "softcap"
     summary = "c·tanh(l/c) on the attention logits (c = 50) and / or the final logits (c = 30)"
     source = "Gemma Team 2024 (Gemma 2)"
+    prepare_order = 0  # changes the attention modules: before the stabilizers that read them (jasmin's choice of path)
 
     def __init__(self, attention: float | None = 50.0, logits: float | None = 30.0) -> None:
         for what, cap in (("attention", attention), ("logits", logits)):
