@@ -157,7 +157,8 @@ def _lr_run(lr, seed, loss, status="completed", stabilizer="none"):
 
 def test_lr_sensitivity_is_wortsmans_expected_capped_loss_minus_the_best():
     """Seed 0: losses 0.5, 0.2, 3.0 (capped at log 10) → mean(0.5, 0.2, log 10) − 0.2; seed 1: 0.4, 0.3 and a
-    diverged run (log 10) → mean(0.4, 0.3, log 10) − 0.3. The largest stable η is 0.01; 2 of 7 runs diverged."""
+    diverged run (log 10) → mean(0.4, 0.3, log 10) − 0.3. The largest stable η is 0.01 (mean 0.25 ≤ the threshold
+    log 10 − (log 10 − 0.25)/2; at 0.1 runs diverged); 2 of 7 runs diverged."""
     from stability.report.aggregate import group
     from stability.report.lr_sensitivity import lr_families, lr_table
 
@@ -202,3 +203,12 @@ def test_a_family_follows_the_learning_rate_that_varies_when_a_label_has_two():
     families = lr_families(group(runs))
     assert [(f.label, f.lr_key, f.lrs) for f in families] == [
         ("stabilizer=lipschitz_transformer+muon, lr=0.05", "muon.lr", [0.01, 0.1])]
+
+
+def test_a_learning_rate_that_ends_just_under_the_initial_loss_is_not_stable():
+    """Final losses 0.5 and 2.2 (< log 10, but a fifth of the best improvement kept): 1e-2 is not stable."""
+    from stability.report.aggregate import group
+    from stability.report.lr_sensitivity import lr_families
+
+    family = lr_families(group([_lr_run(1e-3, 0, 0.5), _lr_run(1e-2, 0, 2.2)]))[0]
+    assert family.largest_stable_lr() == 1e-3

@@ -90,8 +90,9 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
         lines += ["## Learning-rate sensitivity", "",
                   "Configurations that differ only in their learning rate η (Wortsman et al. 2023): LR sensitivity = "
                   "mean over η of min(ℓ(η), ℓ₀) − min over η of ℓ(η), ℓ the final validation loss, ℓ₀ = log K the "
-                  "loss at initialisation, a diverged run counting as ℓ₀; mean ± std over seeds. Largest stable η: "
-                  "every seed finished without diverging and below ℓ₀.", "", lr_table(families), ""]
+                  "loss at initialisation, a diverged run counting as ℓ₀; mean ± std over seeds. Largest stable η: no "
+                  "seed diverged and the mean final loss keeps at least half of the best η's improvement over ℓ₀, "
+                  "ℓ(η) ≤ ℓ₀ − (ℓ₀ − ℓ*)/2.", "", lr_table(families), ""]
     for name, drawn in plots.items():
         if drawn:
             lines += [f"![{name[:-4]}]({name})", ""]

@@ -9,8 +9,8 @@ practice):
 ℓ(η) the final validation loss, ℓ₀ the loss at initialisation — here log K for K classes, the loss of the uniform
 prediction, which is what these classifiers start at (their heads start small or at zero) — and a diverged run
 counting as ℓ₀. It is computed per seed (each seed over the same learning rates) and reported as mean ± sample
-std over seeds. Beside it: the largest stable learning rate (every seed finished without diverging and below ℓ₀)
-and the divergence rate over all the family's runs.
+std over seeds. Beside it: the largest stable learning rate (no seed diverged, and the mean final loss keeps at
+least half of the best learning rate's improvement over ℓ₀) and the divergence rate over all the family's runs.
 """
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ class LRFamily:
     label: str
     lr_key: str
     points: dict[float, Configuration] = field(default_factory=dict)  # η → configuration (its seeds)
+
+    @property
+    def legend(self) -> str:
+        """The label without ``stabilizer=``, and which learning rate is on the axis when it is a stabilizer's own."""
+        name = self.label.removeprefix("stabilizer=")
+        return name if self.lr_key in ("lr", "model.lr") else f"{name} (η: {self.lr_key})"
 
     @property
     def lrs(self) -> list[float]:
@@ -79,10 +85,14 @@ class LRFamily:
         return out
 
     def largest_stable_lr(self) -> float | None:
-        """The largest η at which every seed finished without diverging and below ℓ₀."""
+        """The largest η at which no seed diverged and the mean final loss keeps at least half of the family's
+        best improvement over ℓ₀: ℓ(η) ≤ ℓ₀ − (ℓ₀ − ℓ*)/2, ℓ* the best mean final loss. (A run that ends just
+        under ℓ₀ has learned nothing; "below ℓ₀" alone would call it stable.)"""
         cap = self.initial_loss()
+        means = self.mean_losses()
+        threshold = cap - (cap - min(mean for mean, _ in means.values())) / 2
         stable = [lr for lr, config in self.points.items()
-                  if all(run.status != "diverged" and self.final_loss(run) < cap for run in config.runs)]
+                  if means[lr][0] <= threshold and all(run.status != "diverged" for run in config.runs)]
         return max(stable) if stable else None
 
     def divergence(self) -> tuple[int, int]:
@@ -142,7 +152,7 @@ def plot_loss_vs_lr(families: list[LRFamily], path, title: str) -> bool:
         lrs = family.lrs
         colour = palette[index % len(palette)]
         ax.errorbar(lrs, [means[lr][0] for lr in lrs], yerr=[means[lr][1] for lr in lrs], color=colour,
-                    marker="o", markersize=4, capsize=2, linewidth=1.3, label=family.label)
+                    marker="o", markersize=4, capsize=2, linewidth=1.3, label=family.legend)
         cap = family.initial_loss()
         diverged = [lr for lr in lrs if any(run.status == "diverged" for run in family.points[lr].runs)]
         ax.scatter(diverged, [cap] * len(diverged), marker="x", s=60, color=colour, zorder=3)
