@@ -194,6 +194,20 @@ def supports_query_key_capture(backbone: nn.Module) -> bool:
     return bool(sites) and all(type(site.module) is Attention for site in sites)
 
 
+def _on_queries_keys(module: nn.Module, call: Callable[[nn.Module, torch.Tensor, torch.Tensor], None]) -> list:
+    """Hooks on a timm ``Attention``'s ``q_norm`` and ``k_norm`` that call ``call(module, q, k)`` with each forward's
+    (normed) queries and keys, (B, H, N, d); returns the hook handles."""
+    pending: list[torch.Tensor] = []
+
+    def keep_queries(_norm, _inputs, output):
+        pending.append(output)
+
+    def with_keys(_norm, _inputs, output):
+        call(module, pending.pop(), output)
+
+    return [module.q_norm.register_forward_hook(keep_queries), module.k_norm.register_forward_hook(with_keys)]
+
+
 @contextlib.contextmanager
 def capture_queries_keys(backbone: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, float]]]:
     """Record (q, k, scale) of every attention call inside the block, in forward order, each
@@ -203,22 +217,9 @@ def capture_queries_keys(backbone: nn.Module) -> Iterator[list[tuple[torch.Tenso
         raise ValueError("capturing queries and keys needs timm's plain ViT attention (no relative-position "
                          "bias, window mask or replaced kernel); use capture_attention instead")
     captured: list[tuple[torch.Tensor, torch.Tensor, float]] = []
-    pending: dict[int, torch.Tensor] = {}
-
-    def record_q(module):
-        def hook(_norm, _inputs, output):
-            pending[id(module)] = output
-        return hook
-
-    def record_k(module):
-        def hook(_norm, _inputs, output):
-            captured.append((pending.pop(id(module)), output, float(module.scale)))
-        return hook
-
     handles = []
     for site in attention_sites(backbone):
-        handles.append(site.module.q_norm.register_forward_hook(record_q(site.module)))
-        handles.append(site.module.k_norm.register_forward_hook(record_k(site.module)))
+        handles += _on_queries_keys(site.module, lambda module, q, k: captured.append((q, k, float(module.scale))))
     try:
         yield captured
     finally:
@@ -238,18 +239,12 @@ def observe_attention_logits(backbone: nn.Module, observe: Callable[[str, torch.
     from timm.layers import Attention
 
     handles, explicit, unobserved = [], [], []
-    pending: dict[int, torch.Tensor] = {}
 
-    def from_queries(module):
-        def hook(_norm, _inputs, output):
-            pending[id(module)] = output
-        return hook
-
-    def from_keys(name, module):
-        def hook(_norm, _inputs, output):
+    def from_queries_keys(name):
+        def call(module, q, k):
             with torch.no_grad():
-                observe(name, module.scale * (pending.pop(id(module)).detach() @ output.detach().transpose(-2, -1)))
-        return hook
+                observe(name, module.scale * (q.detach() @ k.detach().transpose(-2, -1)))
+        return call
 
     def from_kernel(name):
         def hook(kernel, args):
@@ -266,8 +261,7 @@ def observe_attention_logits(backbone: nn.Module, observe: Callable[[str, torch.
     for site in attention_sites(backbone):
         module, kernel = site.module, getattr(site.module, "kernel", None)
         if type(module) is Attention:
-            handles += [module.q_norm.register_forward_hook(from_queries(module)),
-                        module.k_norm.register_forward_hook(from_keys(site.name, module))]
+            handles += _on_queries_keys(module, from_queries_keys(site.name))
         elif kernel is not None and hasattr(kernel, "logits"):
             handles.append(kernel.register_forward_pre_hook(from_kernel(site.name)))
         elif isinstance(getattr(module, "softmax", None), nn.Softmax):

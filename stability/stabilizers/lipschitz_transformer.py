@@ -36,6 +36,7 @@ from torch import nn
 from ..lipschitz.certified import Bound, certified_bound
 from ..lipschitz.transformer_bounds import NotALipschitzTransformer, paper_bound
 from ..models import (
+    KernelAttention,
     attention_sites,
     linear_patch_embedding,
     linear_role,
@@ -115,16 +116,17 @@ class LipschitzTransformer(Stabilizer):
     @staticmethod
     def _use_l2_attention(backbone: nn.Module) -> None:
         sites = attention_sites(backbone)
-        changed = [site.name for site in sites if getattr(site.module, "kernel", None) is not None]
-        if changed:
-            raise ValueError(f"lipschitz_transformer: attention: l2 replaces plain ViT attention, but {changed[0]} "
-                             f"computes its heads with {type(sites[0].module.kernel).__name__} (another stabilizer "
-                             f"changed it)")
-        if not all(type(site.module) is TimmAttention for site in sites):
+        if not all(isinstance(site.module, (TimmAttention, KernelAttention)) for site in sites):
             raise ValueError("lipschitz_transformer: attention: l2 is implemented for the ViT backbone's attention "
                              "(use attention: dot on Swin and CSwin)")
-        for site in sites:
-            replace_submodule(backbone, site.name, L2MultiHeadAttention(site.module))
+        replacements = []
+        for site in sites:  # all built before any is swapped in; L2 attention refuses a kernel another stabilizer set
+            try:
+                replacements.append((site.name, L2MultiHeadAttention(site.module)))
+            except ValueError as err:
+                raise ValueError(f"lipschitz_transformer: attention {site.name!r}: {err}") from None
+        for name, module in replacements:
+            replace_submodule(backbone, name, module)
 
     @torch.no_grad()
     def _initialise(self, backbone: nn.Module) -> None:
