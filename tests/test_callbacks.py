@@ -26,6 +26,44 @@ def test_detector_counts_spikes_and_flags_divergence():
     assert late.spikes == 0
 
 
+def test_a_loss_that_climbs_slowly_enough_for_the_running_value_to_follow_is_still_divergence():
+    # ×1.5 a step: the running value (β = 0.9) trails the loss by a factor ≈ 4, never 100; against the loss at
+    # initialisation it is caught.
+    detector = DivergenceDetector()
+    losses = [2.3] * 5 + [2.3 * 1.5 ** k for k in range(1, 60)]  # the initial loss: the first, 2.3
+    fired = next(step for step, loss in enumerate(losses) if detector.update(loss, step))
+    assert "initial loss" in detector.reason
+    assert 100 * 2.3 < losses[fired] <= 1.5 * 100 * 2.3  # the first loss above 100 × the initial 2.3
+    # the running value alone would not have fired: loss / running stays far below 100
+    running = DivergenceDetector(warmup_steps=10**9)
+    for step, loss in enumerate(losses[:fired + 1]):
+        running.update(loss, step)
+    assert losses[fired] / running.running < 10
+
+
+def test_the_initial_loss_travels_with_checkpoints():
+    monitor = DivergenceMonitor()
+    for step, loss in enumerate([2.3] * 8):
+        monitor.detector.update(loss, step)
+    state = monitor.state_dict()
+    assert state["initial"] == pytest.approx(2.3)
+    resumed = DivergenceMonitor()
+    resumed.load_state_dict({**state, "running": 1000.0})  # mid-climb: only the initial loss can judge 500
+    assert resumed.detector.update(500.0, 9) and "initial loss 2.3" in resumed.detector.reason
+    legacy = DivergenceMonitor()
+    legacy.load_state_dict({"running": 2.3, "steps": 8, "spikes": 0})  # a checkpoint from before `initial`
+    assert not legacy.detector.update(2.4, 9) and legacy.detector.initial == 2.4  # judged from the first loss seen
+
+
+def test_an_explosion_during_the_first_steps_is_judged_against_the_loss_at_initialisation():
+    # 2.3 at init, 10³ by step 3, the running value takes it in (a LipsFormer at lr 0.1 went to 1,286 by step 9, one
+    # at 0.3 to 10²³, and both finished "completed" when only the running value judged)
+    detector = DivergenceDetector()
+    fired = next(step for step, loss in enumerate([2.3, 40.0, 300.0, 1000.0, 1300.0, 1200.0, 1286.0, 900.0])
+                 if detector.update(loss, step))
+    assert fired == 5 and "initial loss 2.3" in detector.reason  # the first step judged, after 5 warmup losses
+
+
 class NaNAt(Stabilizer):
     """Test stabilizer: its loss term turns NaN at a given step."""
 

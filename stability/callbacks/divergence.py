@@ -1,6 +1,6 @@
 """Divergence detection: a non-finite loss, or a task loss above ``divergence_factor`` × its
-running value, stops the run cleanly and records where and why (a result, not a crash); losses
-above ``spike_factor`` × the running value are counted as spikes."""
+running value or × its value at the start, stops the run cleanly and records where and why (a
+result, not a crash); losses above ``spike_factor`` × the running value are counted as spikes."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,11 @@ class DivergenceDetector:
     The reference is max(running loss, ``min_reference``), so that a loss near zero late in
     training does not turn ordinary noise into "spikes". A loss above ``spike_factor`` ×
     reference counts as a spike; a non-finite loss or one above ``divergence_factor`` ×
-    reference is divergence. The first ``warmup_steps`` losses only feed the running value."""
+    reference is divergence. So is a loss above ``divergence_factor`` × the ``initial`` one (the
+    first loss, at initialisation: log K for a K-class cross-entropy), so that a loss that exploded
+    during the first steps, which the running value took in, or one that climbs slowly enough for
+    the running value to follow it, is still caught. The first ``warmup_steps`` losses only feed
+    the running value."""
 
     spike_factor: float = 3.0
     divergence_factor: float = 100.0
@@ -29,6 +33,7 @@ class DivergenceDetector:
     warmup_steps: int = 5
     min_reference: float = 0.1
     running: float | None = None
+    initial: float | None = None
     steps: int = 0
     spikes: int = 0
     diverged_at_step: int | None = None
@@ -41,12 +46,15 @@ class DivergenceDetector:
         if not math.isfinite(loss):
             self.diverged_at_step, self.reason = step, f"non-finite loss ({loss})"
             return True
+        if self.initial is None:
+            self.initial = loss
         if self.running is not None and self.steps > self.warmup_steps:
             reference = max(self.running, self.min_reference)
-            if loss > self.divergence_factor * reference:
-                self.diverged_at_step = step
-                self.reason = f"loss {loss:.4g} > {self.divergence_factor:g} × running loss {reference:.4g}"
-                return True
+            for name, value in (("running", reference), ("initial", max(self.initial, self.min_reference))):
+                if loss > self.divergence_factor * value:
+                    self.diverged_at_step = step
+                    self.reason = f"loss {loss:.4g} > {self.divergence_factor:g} × {name} loss {value:.4g}"
+                    return True
             if loss > self.spike_factor * reference:
                 self.spikes += 1
         self.running = loss if self.running is None else self.beta * self.running + (1 - self.beta) * loss
@@ -91,10 +99,11 @@ class DivergenceMonitor(L.Callback):
     def state_dict(self) -> dict:
         """The running loss and spike count travel with checkpoints, so a resumed run judges as before."""
         d = self.detector
-        return {"running": d.running, "steps": d.steps, "spikes": d.spikes}
+        return {"running": d.running, "initial": d.initial, "steps": d.steps, "spikes": d.spikes}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.detector.running = state_dict["running"]
+        self.detector.initial = state_dict.get("initial")  # absent from checkpoints written before it existed
         self.detector.steps, self.detector.spikes = state_dict["steps"], state_dict["spikes"]
 
     def _every(self, trainer) -> int:
