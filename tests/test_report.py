@@ -148,11 +148,11 @@ def test_the_paper_bound_plot_marks_the_frontier(tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
-def _lr_run(lr, seed, loss, status="completed", stabilizer="none"):
+def _lr_run(lr, seed, loss, status="completed", stabilizer="none", extra=""):
     scalars = {"val/loss": [(0, 9.0), (1, loss)]} if loss is not None else {}
     config = {"model": {"num_classes": 10, "lr": lr}, "seed_everything": seed, "stabilizer": stabilizer}
-    return RunRecord(Path(f"r{lr}-{seed}"), config, status, scalars, {},
-                     configuration=f"stabilizer={stabilizer}, lr={lr}")
+    return RunRecord(Path(f"r{lr}-{seed}{extra}"), config, status, scalars, {},
+                     configuration=f"stabilizer={stabilizer}, lr={lr}{extra}")
 
 
 def test_lr_sensitivity_is_wortsmans_expected_capped_loss_minus_the_best():
@@ -187,6 +187,28 @@ def test_lr_families_need_two_learning_rates_and_keep_methods_apart(tmp_path):
     families = lr_families(group(runs))
     assert [f.label for f in families] == ["stabilizer=none", "stabilizer=qk_norm"]
     assert plot_loss_vs_lr(families, tmp_path / "lr.png", "t") and (tmp_path / "lr.png").is_file()
+
+
+def test_the_loss_vs_lr_plot_has_a_panel_per_depth_and_legends_that_tell_the_methods_apart(tmp_path):
+    from stability.report.aggregate import group
+    from stability.report.lr_sensitivity import LRFamily, facet_key, lr_families, plot_loss_vs_lr, short_legends
+
+    families = [LRFamily(label, key) for label, key in [
+        ("stabilizer=none, depth=12", "lr"), ("stabilizer=none, warmup=0.2, depth=12", "lr"),
+        ("stabilizer=none, depth=4", "lr"), ("stabilizer=none, warmup=0.2, depth=4", "lr"),
+        ("stabilizer=lt+muon, scale=64, cap=hard, lr=0.05, depth=12", "muon.lr"),
+        ("stabilizer=lt+muon, scale=64, cap=none, lr=0.05, depth=12", "muon.lr")]]
+    assert facet_key(families) == "depth"  # every family has it, 2 values; cap is not everyone's
+    # warmup=0.2 is shared by all who have it, but without it two legends of a panel would both read "none"
+    assert short_legends(families, "depth") == ["none", "none, warmup=0.2", "none", "none, warmup=0.2",
+                                                "lt+muon, cap=hard (η: muon.lr)", "lt+muon, cap=none (η: muon.lr)"]
+    assert facet_key(families[:1]) is None and facet_key([families[0], families[2]]) is None  # 2 values, 2 families
+    runs = [_lr_run(lr, 0, loss, stabilizer=method, extra=f", depth={depth}")
+            for depth in (4, 12) for method in ("none", "qk_norm") for lr, loss in ((1e-3, 0.5), (1e-2, 0.3))]
+    faceted = lr_families(group(runs))
+    assert len(faceted) == 4 and facet_key(faceted) == "depth"
+    assert plot_loss_vs_lr(faceted, tmp_path / "lr.png", "t") and (tmp_path / "lr.png").is_file()
+    assert not plot_loss_vs_lr([], tmp_path / "none.png", "t") and not (tmp_path / "none.png").exists()
 
 
 def test_a_family_follows_the_learning_rate_that_varies_when_a_label_has_two():

@@ -41,12 +41,6 @@ class LRFamily:
     points: dict[float, Configuration] = field(default_factory=dict)  # η → configuration (its seeds)
 
     @property
-    def legend(self) -> str:
-        """The label without ``stabilizer=``, and which learning rate is on the axis when it is a stabilizer's own."""
-        name = self.label.removeprefix("stabilizer=")
-        return name if self.lr_key in ("lr", "model.lr") else f"{name} (η: {self.lr_key})"
-
-    @property
     def lrs(self) -> list[float]:
         return sorted(self.points)
 
@@ -137,31 +131,93 @@ def lr_table(families: list[LRFamily]) -> str:
     return "\n".join(lines)
 
 
+def facet_key(families: list[LRFamily]) -> str | None:
+    """A setting every family has, with 2–4 values and fewer values than families (say the depth): the plot draws
+    one panel per value. The one with the fewest values; None when there is none."""
+    if len(families) < 2:
+        return None
+    settings = [dict(_parts(family.label)) for family in families]
+    candidates = []
+    for key in sorted(set.intersection(*(set(d) for d in settings)) - {"stabilizer"}):
+        values = {d[key] for d in settings}
+        if 2 <= len(values) <= 4 and len(values) < len(families):
+            candidates.append((len(values), key))
+    return min(candidates)[1] if candidates else None
+
+
+def short_legends(families: list[LRFamily], drop: str | None = None) -> list[str]:
+    """Legends that keep what tells the families apart: the stabilizer and the settings but ``drop`` (the panel's);
+    a setting that every family having it shares is left out too, unless two legends of a panel would then be
+    the same (the report's table keeps the full labels)."""
+    settings = [_parts(family.label) for family in families]
+    panel = [dict(parts).get(drop, "") for parts in settings]
+    values: dict[str, set[str]] = {}
+    for parts in settings:
+        for key, value in parts:
+            values.setdefault(key, set()).add(value)
+
+    def legends(dropped: set[str]) -> list[str]:
+        out = []
+        for family, parts in zip(families, settings):
+            name = ", ".join(f"{k}={v}" if v else k for k, v in parts
+                             if k == "stabilizer" or k not in dropped).removeprefix("stabilizer=")
+            out.append(name if family.lr_key in ("lr", "model.lr") else f"{name} (η: {family.lr_key})")
+        return out
+
+    dropped = {drop} if drop else set()
+    for key in sorted(k for k, v in values.items() if len(v) == 1 and k not in ("stabilizer", drop)):
+        trial = legends(dropped | {key})
+        if len(set(zip(panel, trial))) == len(trial):
+            dropped.add(key)
+    return legends(dropped)
+
+
 def plot_loss_vs_lr(families: list[LRFamily], path, title: str) -> bool:
     """Final validation loss (capped at ℓ₀) against the learning rate, one curve per family (Wortsman et al.,
-    Figure 1): mean over seeds with its std; a cross marks a learning rate where some seed diverged."""
+    Figure 1): mean over seeds with its std; a cross marks a learning rate where some seed diverged. One panel per
+    value of a setting all families vary together (:func:`facet_key`, e.g. the depth), one colour per method."""
     import matplotlib
 
-    from .plots import _figure, _finish
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    plt, fig, ax = _figure(9, 5 + (0.2 * len(families) if len(families) > 6 else 0))
-    palette = matplotlib.colormaps["tab20"].colors
-    drawn, cap = 0, None
+    if not families:
+        return False
+    facet = facet_key(families)
+    panels: dict[str, list[int]] = {}
     for index, family in enumerate(families):
-        means = family.mean_losses()
-        lrs = family.lrs
-        colour = palette[index % len(palette)]
-        ax.errorbar(lrs, [means[lr][0] for lr in lrs], yerr=[means[lr][1] for lr in lrs], color=colour,
-                    marker="o", markersize=4, capsize=2, linewidth=1.3, label=family.legend)
-        cap = family.initial_loss()
-        diverged = [lr for lr in lrs if any(run.status == "diverged" for run in family.points[lr].runs)]
-        ax.scatter(diverged, [cap] * len(diverged), marker="x", s=60, color=colour, zorder=3)
-        drawn += 1
-    if cap is not None:
-        ax.axhline(cap, color="grey", linestyle=":", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("final validation loss (capped at the initial loss log K)")
-    return _finish(plt, fig, ax, drawn, path,
-                   f"{title}: final loss vs learning rate (× a seed diverged; dotted: log K)")
+        panels.setdefault(dict(_parts(family.label)).get(facet, "") if facet else "", []).append(index)
+    legends = short_legends(families, facet)
+    methods = list(dict.fromkeys(legends))
+    palette = matplotlib.colormaps["tab20"].colors
+    styles = ["-", "--", ":", "-."]
+    width = 6.5 * len(panels) if len(panels) > 1 else 9
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 5.5 + 0.18 * len(methods)), sharey=True,
+                             squeeze=False, constrained_layout=True)
+    handles: dict[str, object] = {}
+    for ax, (value, members) in zip(axes[0], panels.items()):
+        for index in members:
+            family, legend = families[index], legends[index]
+            number = methods.index(legend)
+            colour, style = palette[number % len(palette)], styles[(number // len(palette)) % len(styles)]
+            means, lrs, cap = family.mean_losses(), family.lrs, family.initial_loss()
+            handles[legend] = ax.errorbar(lrs, [means[lr][0] for lr in lrs], yerr=[means[lr][1] for lr in lrs],
+                                          color=colour, linestyle=style, marker="o", markersize=4, capsize=2,
+                                          linewidth=1.3)
+            diverged = [lr for lr in lrs if any(run.status == "diverged" for run in family.points[lr].runs)]
+            ax.scatter(diverged, [cap] * len(diverged), marker="x", s=60, color=colour, zorder=3)
+            ax.axhline(cap, color="grey", linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("learning rate")
+        ax.grid(alpha=0.3, which="both")
+        if facet:
+            ax.set_title(f"{facet}={value}", fontsize=10)
+    axes[0][0].set_ylabel("final validation loss (capped at the initial loss log K)")
+    columns = 2 if max(map(len, methods)) <= 60 and len(methods) > 6 else 1
+    fig.legend([handles[m] for m in methods], methods, fontsize=7, loc="outside lower center", ncol=columns,
+               frameon=False)
+    fig.suptitle(f"{title}: final loss vs learning rate (× a seed diverged; dotted: log K)")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
