@@ -178,8 +178,7 @@ def plot_loss_vs_lr(families: list[LRFamily], path, title: str) -> bool:
     value of a setting all families vary together (:func:`facet_key`, e.g. the depth), one colour per method."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plots import _panels
 
     if not families:
         return False
@@ -192,10 +191,9 @@ def plot_loss_vs_lr(families: list[LRFamily], path, title: str) -> bool:
     palette = matplotlib.colormaps["tab20"].colors
     styles = ["-", "--", ":", "-."]
     width = 6.5 * len(panels) if len(panels) > 1 else 9
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, 5.5 + 0.18 * len(methods)), sharey=True,
-                             squeeze=False, constrained_layout=True)
+    plt, fig, axes = _panels(len(panels), width, 5.5 + 0.18 * len(methods), sharey=True)
     handles: dict[str, object] = {}
-    for ax, (value, members) in zip(axes[0], panels.items()):
+    for ax, (value, members) in zip(axes, panels.items()):
         for index in members:
             family, legend = families[index], legends[index]
             number = methods.index(legend)
@@ -206,6 +204,7 @@ def plot_loss_vs_lr(families: list[LRFamily], path, title: str) -> bool:
                                           linewidth=1.3)
             diverged = [lr for lr in lrs if any(run.status == "diverged" for run in family.points[lr].runs)]
             ax.scatter(diverged, [cap] * len(diverged), marker="x", s=60, color=colour, zorder=3)
+        for cap in {families[index].initial_loss() for index in members}:
             ax.axhline(cap, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -213,7 +212,7 @@ def plot_loss_vs_lr(families: list[LRFamily], path, title: str) -> bool:
         ax.grid(alpha=0.3, which="both")
         if facet:
             ax.set_title(f"{facet}={value}", fontsize=10)
-    axes[0][0].set_ylabel("final validation loss (capped at the initial loss log K)")
+    axes[0].set_ylabel("final validation loss (capped at the initial loss log K)")
     columns = 2 if max(map(len, methods)) <= 60 and len(methods) > 6 else 1
     fig.legend([handles[m] for m in methods], methods, fontsize=7, loc="outside lower center", ncol=columns,
                frameon=False)

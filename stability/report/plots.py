@@ -12,14 +12,20 @@ from .aggregate import Configuration, parse_label
 from .frontier import pareto_front
 
 
-def _figure(width: float = 7.5, height: float = 4.8):
+def _panels(count: int, width: float, height: float, **options):
+    """pyplot (Agg), a figure and its row of ``count`` axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(width, height), constrained_layout=True)
-    return plt, fig, ax
+    fig, axes = plt.subplots(1, count, figsize=(width, height), squeeze=False, constrained_layout=True, **options)
+    return plt, fig, list(axes[0])
+
+
+def _figure(width: float = 7.5, height: float = 4.8):
+    plt, fig, axes = _panels(1, width, height)
+    return plt, fig, axes[0]
 
 
 def line_styles(configurations: list[Configuration]) -> dict[str, dict[str, Any]]:
