@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from stability import report
-from stability.report.aggregate import group, label_configurations
-from stability.report.plots import weighted_quantiles
+from stability.report.aggregate import Configuration, group, label_configurations
+from stability.report.plots import short_names, weighted_quantiles
 from stability.report.reading import RunRecord, load_run
 
 
@@ -97,6 +97,28 @@ def test_labels_leave_out_the_options_of_stabilizers_a_run_did_not_select():
     assert [r.configuration for r in runs] == [
         "stabilizer=none", "spectral_norm.mode=parametrize, stabilizer=spectral_norm",
         "jasmin.lam=0.01, stabilizer=jasmin"]
+
+
+def test_plot_names_leave_out_settings_that_tell_no_two_configurations_apart():
+    lt = "stabilizer=lipschitz_transformer+muon"
+    margin = "stabilizer=lipschitz_transformer+muon+lipschitz_margin"
+    configurations = [
+        Configuration("stabilizer=none", "none"),
+        Configuration(f"{lt}, lipschitz_transformer.attention_scale=64.0, lipschitz_transformer.logit_scale=32.0, "
+                      "muon.lr=0.05", "lipschitz_transformer+muon"),
+        *(Configuration(f"{margin}, lipschitz_transformer.attention_scale=0.001, "
+                        f"lipschitz_transformer.logit_scale=32.0, muon.lr=0.05, lipschitz_margin.eps={eps}",
+                        "lipschitz_transformer+muon+lipschitz_margin")
+          for eps in (0.1, 0.3)),
+    ]
+    assert list(short_names(configurations).values()) == [
+        "none", "lipschitz_transformer+muon: attention_scale=64.0",
+        "lipschitz_transformer+muon+lipschitz_margin: attention_scale=0.001, eps=0.1",
+        "lipschitz_transformer+muon+lipschitz_margin: attention_scale=0.001, eps=0.3"]
+    # a setting alike everywhere stays where leaving it out would make two names the same
+    twins = [Configuration("stabilizer=muon, model.lr=0.1", "muon"), Configuration("stabilizer=muon", "muon"),
+             Configuration("stabilizer=none, model.lr=0.1", "none")]
+    assert list(short_names(twins).values()) == ["muon: model.lr=0.1", "muon", "none: model.lr=0.1"]
 
 
 def test_histogram_quantiles_follow_the_buckets():

@@ -51,17 +51,30 @@ def line_styles(configurations: list[Configuration]) -> dict[str, dict[str, Any]
 
 
 def short_names(configurations: list[Configuration]) -> dict[str, str]:
-    """Legend names: ``stabilizer=X`` becomes ``X:``, a stabilizer's own options lose its prefix, and
-    settings shared by every configuration of that stabilizer are left out."""
+    """Legend names: ``stabilizer=X`` becomes ``X:``, a stabilizer's own options lose their prefix, and a
+    setting that tells no two configurations apart (one value in every configuration that sets it, and more
+    than one sets it) is left out, unless two names would then be the same. The report's table keeps the
+    full labels."""
     parts = {c.label: c.label.split(", ") for c in configurations}
-    names = {}
+    values: dict[str, set[str]] = {}
+    holders: dict[str, int] = {}
     for config in configurations:
-        family = [parts[c.label] for c in configurations if c.stabilizer == config.stabilizer]
-        shared = set.intersection(*(set(f) for f in family)) if len(family) > 1 else set()
-        kept = [_without_prefixes(part, config.stabilizer.split("+")) for part in parts[config.label]
-                if part not in shared and not part.startswith("stabilizer=")]
-        names[config.label] = f"{config.stabilizer}: {', '.join(kept)}" if kept else config.stabilizer
-    return names
+        for part in parts[config.label]:
+            key, _, value = part.partition("=")
+            values.setdefault(key, set()).add(value)
+            holders[key] = holders.get(key, 0) + 1
+    alike = {key for key, seen in values.items() if len(seen) == 1 and holders[key] > 1}
+
+    def names(dropped: set[str]) -> dict[str, str]:
+        out = {}
+        for config in configurations:
+            kept = [_without_prefixes(part, config.stabilizer.split("+")) for part in parts[config.label]
+                    if not part.startswith("stabilizer=") and part.partition("=")[0] not in dropped]
+            out[config.label] = f"{config.stabilizer}: {', '.join(kept)}" if kept else config.stabilizer
+        return out
+
+    short = names(alike)
+    return short if len(set(short.values())) == len(short) else names(set())
 
 
 def _without_prefixes(part: str, stabilizers: list[str]) -> str:
