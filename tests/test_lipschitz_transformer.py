@@ -337,6 +337,33 @@ def test_margin_loss_with_a_temperature_is_its_formula():
     torch.testing.assert_close(terms["task"], nn.functional.cross_entropy(8.0 * shifted, labels) / 8.0)
 
 
+def test_margin_loss_without_the_bounds_gradient_moves_the_margins_alone():
+    """bound_gradient: false — the same loss value, and the gradient of CE(z + √2·L·ε·(1 − e_y)) with L a
+    constant; the default's gradient differs by the bound's own."""
+    grads, values = {}, {}
+    for flag in (True, False):
+        torch.manual_seed(0)
+        module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2),
+                                 stabilizer="lipschitz_transformer,lipschitz_margin",
+                                 stabilizer_options={"lipschitz_margin": {"eps": 0.3, "bound_gradient": flag}})
+        with torch.no_grad():
+            for p in module.network.parameters():
+                if p.ndim == 2:
+                    p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+        images, labels = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
+        logits, terms = module.losses(images, labels)
+        fc1 = module.network.backbone.blocks[0].block.mlp.fc1.weight
+        grads[flag] = torch.autograd.grad(terms["task"], fc1, retain_graph=True)[0]
+        values[flag] = terms["task"].detach()
+        if not flag:
+            margin = math.sqrt(2) * float(module.stabilizers[1].last_bound) * 0.3
+            reference = nn.functional.cross_entropy(logits + margin * (1 - nn.functional.one_hot(labels, 10)),
+                                                    labels)
+            torch.testing.assert_close(grads[flag], torch.autograd.grad(reference, fc1)[0])
+    torch.testing.assert_close(values[True], values[False])
+    assert (grads[True] - grads[False]).norm() > 1e-3 * grads[False].norm()
+
+
 @pytest.mark.parametrize("attention", ["dot", "l2"])
 @pytest.mark.parametrize("size", [0.0, 1e-30])
 def test_the_differentiable_bound_has_finite_gradients_at_collapsed_weights(attention, size):

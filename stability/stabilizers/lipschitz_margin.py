@@ -13,7 +13,8 @@ For the Lipschitz-transformer ViT, L is composed (:func:`~stability.lipschitz.tr
 from σ₁ estimates of every matrix by a persistent power iteration — one step per training step, as
 Tsuzuku et al. do (here a block of vectors with Rayleigh–Ritz, :class:`~stability.nn.spectral.SubspaceIteration`),
 on vectors kept as buffers of the network — in float32 with autocast off, and it is differentiable through
-them (σ̂ = uᵀWv with u, v held constant), so the loss also pulls the bound down.
+them (σ̂ = uᵀWv with u, v held constant), so the loss also pulls the bound down; ``bound_gradient: false``
+holds L constant for the step instead (the loss then moves the margins alone).
 The estimates approach σ₁ from below, so the training L is at most the certified one; certification
 (at test) always uses the exact bound. For LipsFormer (ViT) the certified bound is recomputed exactly
 and held constant for the step (float64 and a host sync per step: that combination is not GPU-tuned).
@@ -43,6 +44,8 @@ class LipschitzMargin(Stabilizer):
         eps: the ℓ2 radius (pixel units) to train a margin for.
         iterations: power-iteration steps per training step for the bound's σ₁'s (Lipschitz transformer).
         temperature: τ of CE(τ·(shifted logits))/τ.
+        bound_gradient: differentiate the loss through L (it then also pulls the bound down); false holds L
+            constant for the step.
     """
 
     name = "lipschitz_margin"
@@ -52,13 +55,15 @@ class LipschitzMargin(Stabilizer):
     needs = ("lipschitz_transformer",)  # or lipsformer: a model with a certified bound
     backbones = ("vit",)  # where the certified bounds are implemented
 
-    def __init__(self, eps: float = 0.5, iterations: int = 1, temperature: float = 1.0) -> None:
+    def __init__(self, eps: float = 0.5, iterations: int = 1, temperature: float = 1.0,
+                 bound_gradient: bool = True) -> None:
         if eps < 0:
             raise ValueError(f"lipschitz_margin: eps must be >= 0, got {eps}")
         if iterations < 1 or temperature <= 0:
             raise ValueError(f"lipschitz_margin: need iterations >= 1 and temperature > 0; got {iterations}, "
                              f"{temperature}")
         self.eps, self.iterations, self.temperature = eps, iterations, temperature
+        self.bound_gradient = bound_gradient
         self.bound_source = ""
         self._names: list[str] = []
         self._power: SubspaceIteration | None = None
@@ -74,7 +79,8 @@ class LipschitzMargin(Stabilizer):
         except NotALipschitzTransformer:
             self.bound_source = "certified bound, exact, constant per step (LipsFormer)"
             return
-        self.bound_source = "power-iteration σ₁ estimates, differentiable (Lipschitz transformer)"
+        self.bound_source = ("power-iteration σ₁ estimates, " + ("differentiable" if self.bound_gradient else
+                             "constant per step") + " (Lipschitz transformer)")
         self._names = list(matrices)
         self._power = SubspaceIteration([(network, f"{PREFIX}_{i}") for i in range(len(self._names))],
                                      [tuple(m.shape) for m in matrices.values()])
@@ -104,6 +110,8 @@ class LipschitzMargin(Stabilizer):
     def task_loss(self, step: ForwardStep, default) -> torch.Tensor:
         bound = self.margin_bound(step.network)
         self.last_bound = bound.detach()
+        if not self.bound_gradient:
+            bound = self.last_bound
         margin = math.sqrt(2) * bound.float() * self.eps
         shifted = step.logits.float() + margin * (1 - step.soft_targets())  # float32 under autocast too
         return default(self.temperature * shifted) / self.temperature
