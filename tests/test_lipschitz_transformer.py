@@ -247,17 +247,25 @@ def test_paper_bound_is_above_what_the_network_does_in_its_norms(scale):
     assert paper_norm_lower_estimate(network, box_points(4)) <= paper_bound(network)
 
 
+def margin_classifier(margin: dict, muon: dict | None = None, scale: float = 1.0) -> ImageClassifier:
+    """A one-block Lipschitz-transformer ViT trained with ``lipschitz_margin`` (and ``muon`` when given), every
+    matrix redrawn at random with RMS→RMS size ``scale``, so that the network is not constant (the
+    zero-initialised head)."""
+    names = ["lipschitz_transformer", *(["muon"] if muon is not None else []), "lipschitz_margin"]
+    options = {"lipschitz_margin": margin, **({"muon": muon} if muon is not None else {})}
+    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2), stabilizer=",".join(names),
+                             stabilizer_options=options)
+    with torch.no_grad():
+        for p in module.network.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn_like(p) * scale / p.shape[1] ** 0.5)
+    return module
+
+
 def test_margin_loss_is_its_formula_and_certifies_what_it_claims():
     torch.manual_seed(0)
-    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2),
-                             stabilizer="lipschitz_transformer,muon,lipschitz_margin",
-                             stabilizer_options={"lipschitz_margin": {"eps": 0.05},
-                                                 "muon": {"layers": "all", "constraint": "hard_cap"}})
+    module = margin_classifier({"eps": 0.05}, muon={"layers": "all", "constraint": "hard_cap"}, scale=3.0)
     network, margin_stab = module.network, module.stabilizers[2]
-    with torch.no_grad():  # a network that is not constant (the zero-initialised head)
-        for p in network.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn_like(p) * 3 / p.shape[1] ** 0.5)
     images, labels = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
     exact = float(pixel_bound(network)[0])
     estimates = []
@@ -323,13 +331,7 @@ def test_the_logit_scale_survives_a_checkpoint_reload():
 
 def test_margin_loss_with_a_temperature_is_its_formula():
     torch.manual_seed(0)
-    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2),
-                             stabilizer="lipschitz_transformer,lipschitz_margin",
-                             stabilizer_options={"lipschitz_margin": {"eps": 0.1, "temperature": 8.0}})
-    with torch.no_grad():
-        for p in module.network.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    module = margin_classifier({"eps": 0.1, "temperature": 8.0})
     images, labels = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
     logits, terms = module.losses(images, labels)
     margin = math.sqrt(2) * float(module.stabilizers[1].last_bound) * 0.1
@@ -343,13 +345,7 @@ def test_margin_loss_without_the_bounds_gradient_moves_the_margins_alone():
     grads, values = {}, {}
     for flag in (True, False):
         torch.manual_seed(0)
-        module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2),
-                                 stabilizer="lipschitz_transformer,lipschitz_margin",
-                                 stabilizer_options={"lipschitz_margin": {"eps": 0.3, "bound_gradient": flag}})
-        with torch.no_grad():
-            for p in module.network.parameters():
-                if p.ndim == 2:
-                    p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+        module = margin_classifier({"eps": 0.3, "bound_gradient": flag})
         images, labels = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
         logits, terms = module.losses(images, labels)
         fc1 = module.network.backbone.blocks[0].block.mlp.fc1.weight
