@@ -21,13 +21,14 @@ from stability.stabilizers.muon import constrained_matrices
 VIT = dict(embed_dim=16, depth=2, num_heads=2)
 
 
-def lipschitz_transformer(muon: dict | None = None, **options) -> ImageClassifier:
+def lipschitz_transformer(muon: dict | None = None, pooling: dict | None = None, **options) -> ImageClassifier:
+    """``pooling``: extra ViT options, e.g. ``{"global_pool": "avg", "class_token": False}``."""
     stabilizers = "lipschitz_transformer,muon" if muon is not None else "lipschitz_transformer"
     stabilizer_options = {"lipschitz_transformer": options}
     if muon is not None:
         stabilizer_options["muon"] = {"layers": "all", **muon}
-    return ImageClassifier(backbone_options=VIT, stabilizer=stabilizers, stabilizer_options=stabilizer_options,
-                           lr=1e-2)
+    return ImageClassifier(backbone_options={**VIT, **(pooling or {})}, stabilizer=stabilizers,
+                           stabilizer_options=stabilizer_options, lr=1e-2)
 
 
 def rms_singular_values(w: torch.Tensor) -> torch.Tensor:
@@ -181,11 +182,16 @@ def box_points(n: int = 8) -> torch.Tensor:
                       torch.randint(0, 2, (n, 1, 8, 8), generator=gen).double()])  # box corners too
 
 
-@pytest.mark.parametrize("scale, attention_scale, biases", [(1.0, 1.0, False), (3.0, 4.0, True), (6.0, 16.0, False),
-                                                          (2.0, 0.05, False), (4.0, 0.3, True)])
-def test_pixel_bound_is_above_the_exact_jacobian_norm_in_the_box(scale, attention_scale, biases):
+AVERAGE_POOL = {"global_pool": "avg"}
+AVERAGE_POOL_NO_CLASS_TOKEN = {"global_pool": "avg", "class_token": False}
+
+
+@pytest.mark.parametrize("scale, attention_scale, biases, pooling", [
+    (1.0, 1.0, False, None), (3.0, 4.0, True, None), (6.0, 16.0, False, None), (2.0, 0.05, False, None),
+    (4.0, 0.3, True, None), (3.0, 4.0, True, AVERAGE_POOL), (6.0, 16.0, False, AVERAGE_POOL_NO_CLASS_TOKEN)])
+def test_pixel_bound_is_above_the_exact_jacobian_norm_in_the_box(scale, attention_scale, biases, pooling):
     torch.manual_seed(1)
-    network = sharpened(lipschitz_transformer(attention_scale=attention_scale, biases=biases), scale)
+    network = sharpened(lipschitz_transformer(attention_scale=attention_scale, biases=biases, pooling=pooling), scale)
     bound, reason = certified_bound(network)
     assert bound is not None and reason == "" and bound.domain == "[0, 1]^n"
     images = box_points()
@@ -199,6 +205,24 @@ def test_pixel_bound_is_above_the_exact_jacobian_norm_in_the_box(scale, attentio
     assert float(torch.linalg.matrix_norm(head_input.flatten(2), ord=2).max()) <= bound.features
     assert bound.value == pytest.approx(bound.features * float(torch.linalg.matrix_norm(
         network.backbone.head.weight.double(), ord=2)))
+
+
+@pytest.mark.parametrize("pooling", [AVERAGE_POOL, AVERAGE_POOL_NO_CLASS_TOKEN])
+def test_average_pooling_divides_the_bound_by_the_root_of_the_patch_count_and_no_more(pooling):
+    """With W_O and the MLP output at zero every block is x ↦ (1 − a)·x: the network is linear, its Jacobian
+    c·(1 − a)^(2L)·W_head·[W_e, …, W_e]/(N·std) has norm c·(1 − a)^(2L)·‖W_head W_e‖/(√N·std), and with the
+    head reading W_e's top left singular vector the bound is that norm exactly."""
+    torch.manual_seed(3)
+    network = lipschitz_transformer(pooling=pooling, logit_scale=4.0).network.eval().double()
+    embed = network.backbone.patch_embed.proj.linear.weight
+    with torch.no_grad():
+        embed.copy_(torch.randn_like(embed))
+        head = network.backbone.head.weight
+        head.zero_()
+        head[0] = torch.linalg.svd(embed)[0][:, 0] * 0.7
+    bound, _ = certified_bound(network)
+    exact = jacobian_norm(network, box_points(2), method="exact")
+    assert float(exact.min()) == pytest.approx(bound.value, rel=1e-9)
 
 
 @pytest.mark.parametrize("tokens", [2, 5, 17])
@@ -240,10 +264,10 @@ def paper_norm_lower_estimate(network: nn.Module, images: torch.Tensor) -> float
     return best
 
 
-@pytest.mark.parametrize("scale", [1.0, 3.0])
-def test_paper_bound_is_above_what_the_network_does_in_its_norms(scale):
+@pytest.mark.parametrize("scale, pooling", [(1.0, None), (3.0, None), (3.0, AVERAGE_POOL_NO_CLASS_TOKEN)])
+def test_paper_bound_is_above_what_the_network_does_in_its_norms(scale, pooling):
     torch.manual_seed(2)
-    network = sharpened(lipschitz_transformer(attention_scale=2.0), scale)
+    network = sharpened(lipschitz_transformer(attention_scale=2.0, pooling=pooling), scale)
     assert paper_norm_lower_estimate(network, box_points(4)) <= paper_bound(network)
 
 
