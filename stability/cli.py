@@ -24,6 +24,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from . import exit_codes
 from .callbacks import (
@@ -277,6 +278,10 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(importlib.import_module(f"stability.{argv[0]}").main(argv[1:]))
     try:
         cli = StabilityCLI(args=args)
+    except SIGTERMException:  # Lightning stops at the next step and exits with SystemExit(None): status 0, as if done
+        print("stability: stopped by SIGTERM before the run ended; logs and checkpoints so far are kept (rerun with "
+              "--ckpt_path last to resume)", file=sys.stderr)
+        raise SystemExit(exit_codes.INTERRUPTED) from None
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
         if os.environ.get("STABILITY_TRACEBACK"):
             raise

@@ -236,6 +236,30 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_an_uninterru
     assert len(reference["train/loss_step"]) == 18 and len(reference["test/acc"]) == 1
 
 
+def test_a_run_stopped_by_sigterm_is_not_complete_and_the_sweep_resumes_it(tmp_path, run_sweep):
+    """Lightning ends a fit on SIGTERM with SystemExit(None), status 0; a sweep took that for a complete run and
+    never ran the rest. ``stability fit`` now exits with 143 and the sweep keeps the run pending."""
+    spec = resumable_sweep(tmp_path)
+    sweep = subprocess.Popen([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    run = tmp_path / "sweeps" / "resumable" / "seed=0"
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "last.ckpt").is_file():
+        assert time.time() < deadline and sweep.poll() is None, "no checkpoint was written"
+        time.sleep(0.05)
+    fit = subprocess.run(["pgrep", "-P", str(sweep.pid)], capture_output=True, text=True).stdout.split()
+    os.kill(int(fit[0]), signal.SIGTERM)  # the run alone, as a scheduler or a user might
+    output, _ = sweep.communicate(timeout=300)
+    assert sweep.returncode == 1, output
+    assert "[interrupted] seed=0: stopped by SIGTERM" in output and "[completed]" not in output
+    assert "stopped by SIGTERM before the run ended" in (run / "run.log").read_text()
+    assert not (run / "done.json").exists()
+    second = run_sweep(tmp_path, spec)
+    assert second.returncode == 0 and "[resume] seed=0" in second.stdout, second.stdout[-3000:]
+    assert json.loads((run / "done.json").read_text())["status"] == "completed"
+
+
 def test_fit_ckpt_path_last_continues_the_newest_version(tmp_path, tiny_vit_args, scalars):
     from stability.cli import main
 

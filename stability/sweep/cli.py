@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     counts = {s: sum(v == s for v in statuses.values()) for s in sorted(set(statuses.values()))}
     print(f"sweep {spec.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f" — in {sweep.root}")
-    return 1 if counts.get("failed") else 0
+    return 1 if counts.get("failed") or counts.get("interrupted") else 0  # every run done, or not
 
 
 def _key_value(option: str) -> tuple[str, str]:

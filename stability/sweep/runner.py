@@ -180,6 +180,9 @@ class Sweep:
         seconds = round(time.time() - started, 1)
         if self._stopping:
             return "interrupted"
+        if code == exit_codes.INTERRUPTED:  # the run itself was stopped (SIGTERM from outside): not complete
+            self._say(f"[interrupted] {run.name}: stopped by SIGTERM ({seconds} s); rerun the sweep to resume it")
+            return "interrupted"
         if code in (0, exit_codes.DIVERGED):
             status = "completed" if code == 0 else "diverged"
             record = {"status": status, "seconds": seconds}
