@@ -14,7 +14,7 @@ from stability.lipschitz.certified import certified_bound
 from stability.lipschitz.transformer_bounds import paper_bound, pixel_bound
 from stability.models import ConvexResidualBlock, PatchLinear, SplitQKV, attention_sites, norm_sites
 from stability.nn import constraints
-from stability.nn.lipschitz_blocks import LipschitzDotKernel, ScaledGELU
+from stability.nn.lipschitz_blocks import LipschitzDotKernel, MaxMin, ScaledGELU
 from stability.robustness import AttackSpec, certified_radii, robust_accuracy
 from stability.stabilizers.muon import constrained_matrices
 
@@ -205,6 +205,39 @@ def test_pixel_bound_is_above_the_exact_jacobian_norm_in_the_box(scale, attentio
     assert float(torch.linalg.matrix_norm(head_input.flatten(2), ord=2).max()) <= bound.features
     assert bound.value == pytest.approx(bound.features * float(torch.linalg.matrix_norm(
         network.backbone.head.weight.double(), ord=2)))
+
+
+def test_maxmin_permutes_each_pair_keeps_the_norm_and_is_1_lipschitz():
+    x = torch.randn(64, 3, 8, dtype=torch.float64)
+    y = MaxMin()(x)
+    torch.testing.assert_close(y.sort(-1).values, x.sort(-1).values)  # a permutation of the input, at every point
+    torch.testing.assert_close(y[..., :4], torch.maximum(x[..., :4], x[..., 4:]))
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    x2 = x + 0.3 * torch.randn_like(x)
+    assert float(((MaxMin()(x2) - y).norm(dim=-1) / (x2 - x).norm(dim=-1)).max()) <= 1 + 1e-12
+    jac = torch.autograd.functional.jacobian(MaxMin(), x[0, 0])  # orthogonal (a permutation matrix)
+    torch.testing.assert_close(jac @ jac.T, torch.eye(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="even width, got 7"):
+        MaxMin()(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("activation, kind", [("relu", nn.ReLU), ("maxmin", MaxMin)])
+@pytest.mark.parametrize("scale, pooling", [(3.0, None), (6.0, AVERAGE_POOL_NO_CLASS_TOKEN)])
+def test_other_activations_keep_both_bounds_above_what_the_network_does(scale, pooling, activation, kind):
+    """``activation: relu | maxmin`` puts that activation in every MLP; the pixel bound holds above the exact
+    Jacobian norm and the paper's bound above the network's own norm ratio, at sharpened weights."""
+    torch.manual_seed(4)
+    module = lipschitz_transformer(attention_scale=4.0, activation=activation, pooling=pooling)
+    assert all(isinstance(block.block.mlp.act, kind) for block in module.network.backbone.blocks)
+    network = sharpened(module, scale)
+    images = box_points()
+    assert float(jacobian_norm(network, images, method="exact").max()) <= certified_bound(network)[0].value
+    assert paper_norm_lower_estimate(network, images[:4]) <= paper_bound(network)
+
+
+def test_an_unknown_activation_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"activation must be one of \['gelu', 'relu', 'maxmin'\], got 'tanh'"):
+        lipschitz_transformer(activation="tanh")
 
 
 @pytest.mark.parametrize("pooling", [AVERAGE_POOL, AVERAGE_POOL_NO_CLASS_TOKEN])

@@ -35,7 +35,7 @@ from torch import nn
 from ..models import AttentionSite, ConvexResidualBlock, KernelAttention, PatchLinear
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
-from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, ScaledGELU
+from ..nn.lipschitz_blocks import activation_lipschitz as known_activation_lipschitz
 
 
 class Unbounded(Exception):
@@ -79,13 +79,10 @@ def norm_lipschitz(norm: nn.Module) -> float:
 
 
 def activation_lipschitz(act: nn.Module) -> float:
-    if isinstance(act, ScaledGELU):
-        return 1.0
-    if isinstance(act, nn.GELU):
-        return GELU_LIPSCHITZ
-    if isinstance(act, nn.ReLU):
-        return 1.0
-    raise Unbounded(f"no Lipschitz constant known for activation {type(act).__name__}")
+    lipschitz = known_activation_lipschitz(act)
+    if lipschitz is None:
+        raise Unbounded(f"no Lipschitz constant known for activation {type(act).__name__}")
+    return lipschitz
 
 
 def mlp_lipschitz(mlp: nn.Module) -> float:

@@ -47,7 +47,7 @@ from torch import nn
 
 from ..models import AttentionSite, ConvexResidualBlock, PatchLinear
 from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound
-from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, ScaledGELU
+from ..nn.lipschitz_blocks import LipschitzDotKernel, activation_lipschitz
 
 
 class NotALipschitzTransformer(Exception):
@@ -91,7 +91,7 @@ def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d
                                            "L2 attention")
         if not (isinstance(block.norm1, nn.Identity) and isinstance(block.norm2, nn.Identity)):
             raise NotALipschitzTransformer("a LayerNorm inside a block (it has no global bound)")
-        if not isinstance(block.mlp.act, (ScaledGELU, nn.GELU, nn.ReLU)):
+        if activation_lipschitz(block.mlp.act) is None:
             raise NotALipschitzTransformer(f"activation {type(block.mlp.act).__name__}")
     if not isinstance(backbone.head, nn.Linear):
         raise NotALipschitzTransformer("the classifier head is not a Linear layer")
@@ -184,7 +184,7 @@ def pixel_bound(network: nn.Module, differentiable: bool = False,
         bound = bound * ((1 - a) + a * lip_att)
         r = (1 - a) * r + a * r_att
         mlp = block.mlp
-        act = 1.0 if isinstance(mlp.act, (ScaledGELU, nn.ReLU)) else GELU_LIPSCHITZ
+        act = activation_lipschitz(mlp.act)
         w_1, w_2 = sigmas[f"{i}.fc1"], sigmas[f"{i}.fc2"]
         bound = bound * ((1 - a) + a * w_2 * act * w_1)
         r_mlp = w_2 * act * (w_1 * r + _size(mlp.fc1.bias, differentiable, r)) + _size(mlp.fc2.bias, differentiable, r)
@@ -265,7 +265,7 @@ def paper_bound(network: nn.Module) -> float:
         lip_att = w_o * w_v * (1 + 2 * s * r * r * w_q * w_k) / 3
         bound = bound * ((1 - a) + a * lip_att)
         r = (1 - a) * r + a * w_o * w_v * r / 3
-        lip_mlp = rms(block.mlp.fc2.weight) * rms(block.mlp.fc1.weight)
+        lip_mlp = rms(block.mlp.fc2.weight) * activation_lipschitz(block.mlp.act) * rms(block.mlp.fc1.weight)
         bound = bound * ((1 - a) + a * lip_mlp)
         r = (1 - a) * r + a * lip_mlp * r
     return float(bound * rms(backbone.head.weight)) * abs(network.logit_scale)

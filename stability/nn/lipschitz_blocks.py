@@ -19,6 +19,30 @@ class ScaledGELU(nn.Module):
         return F.gelu(x) / GELU_LIPSCHITZ
 
 
+class MaxMin(nn.Module):
+    """MaxMin, GroupSort with groups of two (Anil, Lucas & Grosse 2019, "Sorting out Lipschitz function
+    approximation"; Chernodub & Nowicki 2016's OPLU): feature i of the first half and feature i of the second
+    half become their max and their min. At every point the output is a permutation of the input, so the map
+    is 1-Lipschitz and keeps the norm, ‖MaxMin(x)‖ = ‖x‖: its Jacobian is orthogonal wherever it exists, where
+    a ReLU's or GELU's shrinks what it passes (the 1-Lipschitz networks' activation: GloRo, SOC, AOL)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise ValueError(f"MaxMin pairs features: it needs an even width, got {x.shape[-1]}")
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([torch.maximum(a, b), torch.minimum(a, b)], dim=-1)
+
+
+def activation_lipschitz(act: nn.Module) -> float | None:
+    """Lip(act) in ℓ2 for the activations the bounds know, else None. Each maps 0 to 0, so also
+    ‖act(x)‖ ≤ Lip·‖x‖ (what the bounds use for sizes)."""
+    if isinstance(act, (ScaledGELU, nn.ReLU, MaxMin)):
+        return 1.0
+    if isinstance(act, nn.GELU):
+        return GELU_LIPSCHITZ
+    return None
+
+
 class LipschitzDotKernel(nn.Module):
     """(1/3)·softmax(s·QKᵀ/d + B)·V per head: the attention of Newhouse et al.'s Lipschitz
     transformer (1/d instead of 1/√d; the 1/3 sits before W_O)."""

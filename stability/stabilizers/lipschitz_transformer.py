@@ -50,10 +50,11 @@ from ..models import (
 )
 from ..nn.constraints import orthogonal_rms_
 from ..nn.l2_attention import L2MultiHeadAttention
-from ..nn.lipschitz_blocks import LipschitzDotKernel, ScaledGELU
+from ..nn.lipschitz_blocks import LipschitzDotKernel, MaxMin, ScaledGELU
 from .base import Stabilizer, register_stabilizer
 
 TOKEN_PARAMETERS = ("pos_embed", "cls_token")
+ACTIVATIONS = {"gelu": ScaledGELU, "relu": nn.ReLU, "maxmin": MaxMin}  # each 1-Lipschitz: the bounds take 1
 
 
 @register_stabilizer
@@ -69,6 +70,8 @@ class LipschitzTransformer(Stabilizer):
         token_rms: bound on the per-token RMS of the positional embedding and class token.
         logit_scale: c in logits = c·W_head·h (the reference's ``final_scale``; counted in the bounds).
         attention: ``dot`` (the paper's) or ``l2`` (L2 self-attention, tied Q = K; ViT).
+        activation: the MLPs' 1-Lipschitz activation: ``gelu`` (the paper's GELU/1.1289), ``relu`` (the
+            reference code's MLPs) or ``maxmin`` (GroupSort-2, norm-preserving: Anil et al. 2019).
     """
 
     name = "lipschitz_transformer"
@@ -81,7 +84,8 @@ class LipschitzTransformer(Stabilizer):
 
     def __init__(self, attention_scale: float = 1.0, residual_scale: float = 1.0, biases: bool = False,
                  orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0,
-                 logit_scale: float = 1.0, attention: Literal["dot", "l2"] = "dot") -> None:
+                 logit_scale: float = 1.0, attention: Literal["dot", "l2"] = "dot",
+                 activation: Literal["gelu", "relu", "maxmin"] = "gelu") -> None:
         if attention_scale <= 0 or token_rms <= 0 or residual_scale <= 0 or logit_scale <= 0:
             raise ValueError(f"lipschitz_transformer: need attention_scale > 0, residual_scale > 0, token_rms > 0 and "
                              f"logit_scale > 0; got {attention_scale}, {residual_scale}, {token_rms}, {logit_scale}")
@@ -89,7 +93,10 @@ class LipschitzTransformer(Stabilizer):
         self.orthogonal_init, self.zero_init, self.token_rms = orthogonal_init, zero_init, token_rms
         if attention not in ("dot", "l2"):
             raise ValueError(f"lipschitz_transformer: attention must be 'dot' or 'l2', got {attention!r}")
-        self.logit_scale, self.attention = logit_scale, attention
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"lipschitz_transformer: activation must be one of {list(ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        self.logit_scale, self.attention, self.activation = logit_scale, attention, activation
 
     def prepare(self, network: nn.Module) -> None:
         backbone = network.backbone if hasattr(network, "backbone") else network
@@ -100,7 +107,7 @@ class LipschitzTransformer(Stabilizer):
         else:
             replace_attention_kernels(backbone, lambda attn: LipschitzDotKernel(
                 attn.qkv.out_features // (3 * attn.num_heads), self.attention_scale))
-        replace_activations(backbone, nn.GELU, ScaledGELU)
+        replace_activations(backbone, nn.GELU, ACTIVATIONS[self.activation])
         use_convex_residuals(backbone, self.residual_scale)
         try:
             linear_patch_embedding(backbone)
