@@ -76,8 +76,8 @@ class LipschitzTransformer(Stabilizer):
 
     name = "lipschitz_transformer"
     summary = ("the Lipschitz-transformer architecture (no LayerNorm, convex residuals, (1/3)·softmax(s·QKᵀ/d)·V, "
-               "GELU/1.1289, linear patch embedding, no biases, orthogonal init); certified pixel bound and the "
-               "paper's bound")
+               "GELU/1.1289 or ReLU / MaxMin, linear patch embedding, no biases, orthogonal init); certified pixel "
+               "bound and the paper's bound")
     source = "Newhouse et al. 2025"
     prepare_order = 0
     wants_constrained_network = True
