@@ -16,7 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from . import tags
 from .models import Network, build_backbone, capture_attention, capture_queries_keys
-from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
+from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, nominal_lr, param_groups
 from .stabilizers import ForwardStep, build_stabilizers, stabilizer_names
 
 CROSS_ENTROPY = "cross_entropy"  # logged beside a replaced task loss, not optimised
@@ -141,7 +141,7 @@ class ImageClassifier(L.LightningModule):
         self._log_step_and_epoch(tags.TRAIN_LOSS, total.detach(), prog_bar=True)
         self.log(tags.TRAIN_ACC, self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         if self._writes_logs():  # a Python number becomes a device tensor when logged: only when it is written
-            self.log(tags.TRAIN_LR, self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
+            self.log(tags.TRAIN_LR, nominal_lr(self.optimizers().param_groups[0]), on_step=True, on_epoch=False)
         return {"loss": total, "task_loss": task.detach()}
 
     def _log_step_and_epoch(self, tag: str, value: torch.Tensor, prog_bar: bool = False) -> None:

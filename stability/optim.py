@@ -8,6 +8,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+LR_SHAPE_FACTOR = "lr_shape_factor"  # a parameter group's lr over its nominal lr (Muon's √(fan_out/fan_in) correction)
+
 OptimizerName = Literal["adamw", "adam", "sgd"]
 SchedulerName = Literal["cosine", "linear", "constant"]
 
@@ -21,6 +23,11 @@ def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_de
         skip = param.ndim < 2 or "pos_embed" in name or "cls_token" in name or "relative_position" in name
         (no_decay if skip else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def nominal_lr(group: dict) -> float:
+    """A parameter group's learning rate without the shape correction stored under ``LR_SHAPE_FACTOR``."""
+    return group["lr"] / group.get(LR_SHAPE_FACTOR, 1.0)
 
 
 def make_optimizer(groups: list[dict], name: OptimizerName, lr: float, momentum: float,

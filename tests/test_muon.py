@@ -129,21 +129,60 @@ def _set_grads(module, seed):
         p.grad = torch.randn(p.shape, generator=gen)
 
 
+def torch_has_spectral_unclamped() -> bool:
+    """torch.optim.Muon accepts ``adjust_lr_fn="spectral_unclamped"`` (releases after 2.12 only)."""
+    try:
+        torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 3))], adjust_lr_fn="spectral_unclamped")
+    except ValueError:
+        return False
+    return True
+
+
+def reference_muon_steps(matrices, gradients, lr, momentum):
+    """torch.optim.Muon's own steps at the paper's rate lr·√(fan_out/fan_in), as each torch release allows it:
+    ``spectral_unclamped`` where it exists; else ``original`` (lr·√max(1, A/B)) with each matrix's total change
+    rescaled by √(A/B)/√max(1, A/B) — without weight decay a Muon update does not depend on the weights, so the
+    change is linear in lr."""
+    if torch_has_spectral_unclamped():
+        optimizer = torch.optim.Muon(matrices, lr=lr, momentum=momentum, weight_decay=0.0,
+                                     adjust_lr_fn="spectral_unclamped")
+        for grads in gradients:
+            for p, g in zip(matrices, grads):
+                p.grad = g
+            optimizer.step()
+        return
+    start = [p.detach().clone() for p in matrices]
+    optimizer = torch.optim.Muon(matrices, lr=lr, momentum=momentum, weight_decay=0.0, adjust_lr_fn="original")
+    for grads in gradients:
+        for p, g in zip(matrices, grads):
+            p.grad = g
+        optimizer.step()
+    with torch.no_grad():
+        for p, w in zip(matrices, start):
+            a, b = p.shape
+            p.copy_(w + (p - w) * (a / b) ** 0.5 / max(1.0, a / b) ** 0.5)
+
+
 def test_optimizer_matches_torch_muon_and_adamw_on_the_same_weights():
+    """Wide matrices (fc1: 64 × 16 tall, fc2: 16 × 64 wide, q/k/v/proj square) each step by lr·√(fan_out/fan_in)
+    on every supported torch; the other parameters step as torch's AdamW."""
     module = _module("none", lr=0.05, momentum=0.9)
     reference = copy.deepcopy(module)
     stab = module.stabilizers[0]
     ours = stab.build_optimizer(module.network, lambda named: torch.optim.AdamW(
         [{"params": [p for _, p in named], "weight_decay": 0.05}], lr=1e-3))
     matrices = hidden_matrices(reference.network)
+    assert {p.shape[0] < p.shape[1] for p in matrices} == {True, False}  # both kinds of shape are tested
     ids = {id(p) for p in matrices}
-    torch_muon = torch.optim.Muon(matrices, lr=0.05, momentum=0.9, weight_decay=0.0, adjust_lr_fn="spectral_unclamped")
     torch_adamw = torch.optim.AdamW([p for p in reference.network.parameters() if id(p) not in ids], lr=1e-3,
                                     weight_decay=0.05)
+    gradients = []
     for seed in range(3):
         _set_grads(module, seed), _set_grads(reference, seed)
-        ours.step(), torch_muon.step(), torch_adamw.step()
+        gradients.append([p.grad.clone() for p in matrices])
+        ours.step(), torch_adamw.step()
         stab.after_optimizer_step(module.network)
+    reference_muon_steps(matrices, gradients, lr=0.05, momentum=0.9)
     for (name, a), b in zip(module.network.named_parameters(), reference.network.parameters()):
         torch.testing.assert_close(a, b, msg=name)
     # the RMS→RMS size of a Muon update is lr, up to Newton–Schulz's inflation (≈ 0.7–1.2)
@@ -171,16 +210,19 @@ def test_every_constraint_keeps_weights_at_sigma_max_over_muon_steps(constraint)
 
 
 def test_weight_decay_only_uses_the_current_lr():
+    """W ← (1 − λη)W with the nominal η on every matrix, wide ones (whose group lr carries the shape factor) too."""
     module = _module("none", lr=0.1, weight_decay=0.5)
     stab = module.stabilizers[0]
     optimizer = stab.build_optimizer(module.network, lambda named: torch.optim.SGD([p for _, p in named], lr=0.0))
-    w = hidden_matrices(module.network)[0]
-    before = w.detach().clone()
+    matrices = hidden_matrices(module.network)
+    assert any(p.shape[0] < p.shape[1] for p in matrices)
+    before = [w.detach().clone() for w in matrices]
     for p in module.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # zero gradient: Muon's update is zero, only the decay acts
     stab.after_optimizer_step(module.network)
-    torch.testing.assert_close(w.detach(), before * (1 - 0.1 * 0.5))
+    for w, b in zip(matrices, before):
+        torch.testing.assert_close(w.detach(), b * (1 - 0.1 * 0.5))
 
 
 def test_bad_options():

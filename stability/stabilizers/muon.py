@@ -2,7 +2,7 @@
 Constants"; docs/methods.md#muon-and-weight-constraints), on any backbone.
 
 Optimizer: ``torch.optim.Muon`` for the constrained matrices, its learning rate scaled by
-sqrt(fan_out/fan_in) (``adjust_lr_fn="spectral_unclamped"``) so that an update has RMS→RMS norm ≈ lr,
+sqrt(fan_out/fan_in) (:func:`muon_shape_factor`) so that an update has RMS→RMS norm ≈ lr,
 times a per-role factor ``update_scales`` (the reference's mass allocation, e.g. Q/K/V 0.889, W_O
 and MLP 0.296, embedding and head 0.056 at blocks mass 16); AdamW (the module's ``lr``,
 ``weight_decay``, ``betas``) for every other parameter. ``optimizer: adamw`` trains the matrices
@@ -44,6 +44,7 @@ from ..models import ROLES, linear_layers, linear_role, split_qkv
 from ..nn import constraints
 from ..nn.precision import float32_math
 from ..nn.spectral import SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
+from ..optim import LR_SHAPE_FACTOR, nominal_lr
 from ..optim_combined import CombinedOptimizer
 from .base import Stabilizer, register_stabilizer
 
@@ -52,6 +53,17 @@ CONSTRAINTS = ("none", "normalise", "hammer", "spectral_wd", "hard_cap", "soft_c
 LAYERS = ("hidden", "all")
 METHODS = ("iterative", "exact")
 POWER_CONSTRAINTS = ("normalise", "hammer", "spectral_wd")  # those that need the top singular triplet
+
+
+def muon_shape_factor(shape: torch.Size | tuple[int, ...]) -> float:
+    """The factor of a matrix's group lr that makes torch.optim.Muon step by lr·√(fan_out/fan_in).
+
+    The paper's update is −η·√(d_out/d_in)·msign(M): RMS→RMS norm η for every shape. torch.optim.Muon
+    multiplies the group lr by √max(1, A/B) (``adjust_lr_fn="original"``, A × B = d_out × d_in), on every
+    torch since 2.9; ``"spectral_unclamped"`` (√(A/B)) exists only in releases after 2.12. So the group lr
+    carries min(1, √(A/B)): √max(1, A/B)·min(1, √(A/B)) = √(A/B) on every torch the suite supports."""
+    fan_out, fan_in = shape[:2]
+    return min(1.0, (fan_out / fan_in) ** 0.5)
 
 
 @functools.cache
@@ -186,26 +198,32 @@ class MuonConstrained(Stabilizer):
         return {"soft_cap_alpha": self.last_alpha} if self.constraint == "soft_cap" else {}
 
     def build_optimizer(self, network, default):
-        """Muon (or AdamW) on the matrices, one group per role, the module's default optimizer on the rest."""
+        """Muon (or AdamW) on the matrices, one group per role and (Muon) shape factor, the module's default
+        optimizer on the rest. Each group's lr is ``lr`` × the role's ``update_scales`` × (Muon)
+        :func:`muon_shape_factor`; the factor is kept in the group, so the decay and the soft cap use the
+        nominal rate."""
         named = constrained_matrices(network, self.layers)
         ids = {id(p) for _, p in named}
         rest = default((n, p) for n, p in network.named_parameters() if id(p) not in ids)
-        groups: dict[float, list[nn.Parameter]] = {}
+        groups: dict[tuple[float, float], list[nn.Parameter]] = {}
         for name, p in named:
-            groups.setdefault(self.update_scales.get(linear_role(name.removesuffix(".weight")), 1.0), []).append(p)
-        param_groups = [{"params": params, "lr": self.lr * scale} for scale, params in groups.items()]
+            scale = self.update_scales.get(linear_role(name.removesuffix(".weight")), 1.0)
+            factor = muon_shape_factor(p.shape) if self.optimizer == "muon" else 1.0
+            groups.setdefault((scale, factor), []).append(p)
+        param_groups = [{"params": params, "lr": self.lr * scale * factor, LR_SHAPE_FACTOR: factor}
+                        for (scale, factor), params in groups.items()]
         if self.optimizer == "muon":
             self._muon = torch.optim.Muon(param_groups, lr=self.lr, weight_decay=0.0, momentum=self.momentum,
-                                          nesterov=self.nesterov, ns_steps=self.ns_steps,
-                                          adjust_lr_fn="spectral_unclamped")
+                                          nesterov=self.nesterov, ns_steps=self.ns_steps, adjust_lr_fn="original")
         else:
             self._muon = torch.optim.AdamW(param_groups, lr=self.lr, weight_decay=0.0)
         self._matrices = [p for group in self._muon.param_groups for p in group["params"]]
         return CombinedOptimizer([self._muon, rest], before_update=self._before_update)
 
     def _etas(self) -> list[float]:
-        """The current learning rate of each matrix (the schedule sets it on every group)."""
-        return [group["lr"] for group in self._muon.param_groups for _ in group["params"]]
+        """The current nominal learning rate η of each matrix (the schedule sets it on every group): the size of
+        its Muon update in RMS→RMS norm, and the rate of its decay."""
+        return [nominal_lr(group) for group in self._muon.param_groups for _ in group["params"]]
 
     @property
     def measures_update(self) -> bool:
