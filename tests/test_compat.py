@@ -2,9 +2,11 @@
 tests fail and name it (pyproject.toml also caps both at the versions tested)."""
 import inspect
 
+import lightning
 import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
+from packaging.version import Version
 from timm.layers import Attention
 from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention
 from timm.models.vision_transformer import Block, VisionTransformer
@@ -80,9 +82,20 @@ def test_timm_window_attention_internals(name):
     assert hasattr(attention, name), f"timm WindowAttention has no '{name}' (KernelWindowAttention takes it over)"
 
 
-@pytest.mark.parametrize("name", ["_parse_ckpt_path", "parse_arguments", "instantiate_trainer", "_run_subcommand"])
+@pytest.mark.parametrize("name", ["parse_arguments", "instantiate_trainer", "_run_subcommand"])
 def test_lightning_cli_internals(name):
     assert hasattr(LightningCLI, name), f"LightningCLI has no '{name}' (stability.cli overrides or calls it)"
+
+
+def test_lightning_cli_reads_checkpoint_hyperparameters_only_where_stability_switches_it_off():
+    """Lightning 2.5.5 added ``_parse_ckpt_path``, which lets a checkpoint's hyperparameters override the command line;
+    stability.cli replaces it with a no-op (its own ``parse_arguments`` reads the checkpoint first). Before 2.5.5 the
+    method does not exist and there is nothing to switch off; from 2.5.5 on it must keep its name."""
+    if Version(lightning.__version__) >= Version("2.5.5"):
+        assert hasattr(LightningCLI, "_parse_ckpt_path"), \
+            "LightningCLI renamed _parse_ckpt_path: stability.cli no longer switches off its checkpoint override"
+    else:
+        assert not hasattr(LightningCLI, "_parse_ckpt_path")
 
 
 def test_lightning_cli_keeps_subcommand_parsers_and_calls_after_hooks():

@@ -14,6 +14,7 @@ from stability.classifier import ImageClassifier
 from stability.data import Digits
 from stability.lipschitz.certified import Bound
 from stability.robustness import AttackSpec, certified_at, certified_radii, l2_radius, robust_accuracy
+from stability.robustness.pgd import PGD, random_start
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,35 @@ def test_pgd_matches_torchattacks_called_directly(trained):
     ours = robust_accuracy(network, images, labels, [AttackSpec("pgd", "Linf", 4 / 255)], 10, pgd_steps=5,
                            pgd_alpha=1 / 255, seed=5)
     assert ours["pgd_Linf_4/255"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L2"])
+def test_our_pgd_is_torchattacks_pgd_bit_for_bit_on_the_cpu(trained, norm):
+    """Same seed, same adversarial images: the start drawn from a CPU generator seeded s is what torchattacks draws from
+    the global CPU generator after torch.manual_seed(s), and every step is its step."""
+    network, images, labels = trained
+    eps, alpha = (4 / 255, 1 / 255) if norm == "Linf" else (0.5, 0.1)
+    reference = torchattacks.PGD if norm == "Linf" else torchattacks.PGDL2
+    torch.manual_seed(5)
+    direct = reference(network, eps=eps, alpha=alpha, steps=5, random_start=True)(images, labels)
+    ours = PGD(network, norm, eps, alpha, steps=5, seed=5)(images, labels)
+    assert torch.equal(ours, direct)
+    assert not torch.equal(PGD(network, norm, eps, alpha, steps=5, seed=6)(images, labels), direct)
+
+
+@pytest.mark.parametrize("norm", ["Linf", "L2"])
+def test_pgds_random_start_is_drawn_on_the_cpu_whatever_the_global_generators(norm):
+    """The start depends on the seed alone: not on the global generators (which a GPU's differ from), and it lies in the
+    ε-ball and the pixel box."""
+    images = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    starts = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        starts.append(random_start(images, norm, 0.3, seed=7))
+    assert torch.equal(starts[0], starts[1]) and not torch.equal(starts[0], random_start(images, norm, 0.3, seed=8))
+    delta = (starts[0] - images).flatten(1)
+    size = delta.abs().amax(1) if norm == "Linf" else delta.norm(dim=1)
+    assert float(size.max()) <= 0.3 + 1e-6 and 0 <= float(starts[0].min()) and float(starts[0].max()) <= 1
 
 
 class Periodic(nn.Module):

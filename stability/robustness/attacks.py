@@ -5,7 +5,9 @@
   code RobustBench depends on): standard version by default — APGD-CE, APGD-T (9 target classes),
   FAB-T and Square (5,000 queries), 100 iterations each; ℓ∞, ℓ2 and ℓ1; ``plus`` and ``rand`` too.
 * ``autoattack_tap`` is torchattacks' AutoAttack (10 iterations per attack): weaker, optimistic.
-* ``fgsm`` and ``pgd`` come from torchattacks (ℓ2 FGSM is one full-size normalised gradient step).
+* ``fgsm`` comes from torchattacks (ℓ2 FGSM is one full-size normalised gradient step); ``pgd`` is torchattacks'
+  PGD / PGDL2 step for step, with its random start drawn on a seeded CPU generator (:mod:`.pgd`), so that every
+  device attacks from the same points.
 
 Inputs are in [0, 1] (normalisation lives inside the network). Every attack runs in float32, in
 eval mode, with gradients enabled even under ``torch.no_grad`` or Lightning's ``inference_mode``,
@@ -30,6 +32,7 @@ from pyautoattack import AutoAttack
 from torch import nn
 
 from ..nn.precision import float32_math
+from .pgd import PGD
 
 ATTACKS = ("fgsm", "pgd", "autoattack", "autoattack_tap")
 NORMS = {"fgsm": ("Linf", "L2"), "pgd": ("Linf", "L2"), "autoattack": ("Linf", "L2", "L1"),
@@ -120,13 +123,11 @@ def _attack(spec: AttackSpec, network: nn.Module, settings: AttackSettings, seed
     if spec.name == "autoattack_tap":
         return torchattacks.AutoAttack(network, norm=spec.norm, eps=spec.eps, version=settings.autoattack_version,
                                        n_classes=settings.num_classes, seed=seed)
+    if spec.name == "pgd":  # torchattacks' PGD step for step, its random start drawn on a seeded CPU generator
+        return PGD(network, spec.norm, spec.eps, alpha, settings.pgd_steps, random_start=True, seed=seed)
     if spec.norm == "L2":
-        if spec.name == "fgsm":
-            return torchattacks.PGDL2(network, eps=spec.eps, alpha=spec.eps, steps=1, random_start=False)
-        return torchattacks.PGDL2(network, eps=spec.eps, alpha=alpha, steps=settings.pgd_steps, random_start=True)
-    if spec.name == "fgsm":
-        return torchattacks.FGSM(network, eps=spec.eps)
-    return torchattacks.PGD(network, eps=spec.eps, alpha=alpha, steps=settings.pgd_steps, random_start=True)
+        return torchattacks.PGDL2(network, eps=spec.eps, alpha=spec.eps, steps=1, random_start=False)
+    return torchattacks.FGSM(network, eps=spec.eps)
 
 
 def correct(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,9 @@ class SigmaReparametrization(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         with torch.autocast(weight.device.type, enabled=False):
-            matrix = weight.flatten(1).float()
+            matrix = weight.flatten(1).to(torch.promote_types(weight.dtype, torch.float32))  # float32, or float64
             with torch.no_grad():
-                v = F.normalize(matrix @ self.u, dim=0)
+                v = F.normalize(matrix @ self.u.to(matrix.dtype), dim=0)
                 u = F.normalize(matrix.T @ v, dim=0)
                 if self.training:
                     self.u.copy_(u)
