@@ -1,6 +1,7 @@
 """One command that proves the suite on a GPU.
 
-    python benchmarks/gpu_check.py                        # every section
+    python benchmarks/gpu_check.py --quick                # ≤ 6 min on one H100: run this first
+    python benchmarks/gpu_check.py                        # every section, in full
     python benchmarks/gpu_check.py --sections runs,compare   # some of them (the others keep their last results)
 
 Sections:
@@ -9,24 +10,31 @@ Sections:
   stabilizer (CUDA's own sync check), GPU against CPU for every stabilizer and backbone, measurements against
   the CPU under fp32 and bf16-mixed.
 * ``runs``: every registered stabilizer (with what it needs, and the compositions the tests train) on every
-  backbone it applies to, ``stability fit`` for 2 epochs in bf16-mixed on one GPU with the test-time
-  measurements (FGSM, PGD, official AutoAttack, certified accuracy where a bound exists). Each must exit 0 with
-  a finite training loss and a ``results.json`` in which every robust accuracy is at most the clean accuracy of
-  the same points, and certified at most clean.
-* ``compare``: each stabilizer's loss terms and one optimizer step with its projection, the same weights and
-  batch in float32 (TF32 off) on the GPU and on the CPU: relative differences within 1e-4.
+  backbone it applies to, ``stability fit`` in bf16-mixed on one GPU with the test-time measurements (FGSM, PGD,
+  official AutoAttack, certified accuracy where a bound exists). Each must exit 0 with a finite training loss and a
+  ``results.json`` in which every robust accuracy is at most the clean accuracy of the same points, and certified at
+  most clean.
+* ``compare``: each stabilizer's loss terms, gradients, one optimizer step with its projection and the measurements
+  after it, the same weights and batch in float32 (TF32 off) on the GPU and on the CPU, compared as
+  ``stability/parity.py`` defines (every key with both values and its tolerance).
 * ``benchmarks``: ``step_cost.py`` at batch 256 in fp32 and bf16 (ViT-S, Swin-T, CSwin-T, 64 and 256 tokens;
   memory after a warm-up step) and ``measurement_cost.py`` at batch 256 against an fp32 and a bf16 training step.
 * ``ddp`` (two GPUs or more): ``stability test`` of one checkpoint on one process and on two.
 
+``--quick`` runs each section small, inside a time budget of its own (``QUICK_BUDGET_S``, 345 s in all; how they were
+set: results/benchmarks/README.md): the ``gpu``
+tests but the GPU–CPU comparison, which ``compare`` runs on every ViT case instead; one 1-epoch bf16-mixed fit of every
+stabilizer and composition on ViT, FGSM / PGD on every fit and the official AutoAttack on three; the step-cost rows
+of ViT-S at 256 tokens, batch 256, bf16. A section that runs out of its budget stops and says how far it got.
+
 Results go to ``results/benchmarks/gpu_check_<device>.md`` (and ``.json``, which keeps each section's last
-result so that sections can run in separate calls), with the device, the commands and the times. Without a
-CUDA GPU the script prints one line and exits with status 2; with a failed check, status 1.
+result so that sections can run in separate calls), with the device, the commands and the times; both are rewritten
+after every fit, case and section, so a run cut short leaves what it finished. Without a CUDA GPU the script prints
+one line and exits with status 2; with a failed check, status 1.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import re
@@ -47,18 +55,29 @@ BACKBONES = ("vit", "swin", "cswin")  # each at its micro preset, on 16 × 16 di
 DEVICE = "cuda"  # "cpu" for --cpu_dry_run
 SELECTED: set[tuple[str, str]] | None = None  # --cases
 SIZES = {"epochs": 2, "attack_points": 256, "autoattack_points": 32}  # of the runs (options of the same names)
-TOLERANCE = 1e-4  # GPU vs CPU, relative, float32 with TF32 off
-MUON_TOLERANCE = 1e-3  # for weights after a Muon step: torch.optim.Muon orthogonalises in bf16 on either device
+QUICK_SIZES = {"epochs": 1, "attack_points": 128, "autoattack_points": 16}
+QUICK_AUTOATTACK = {"none", "lipsformer", "lipschitz_transformer,muon"}  # the quick runs that also run AutoAttack
+QUICK_BUDGET_S = {"tests": 120, "runs": 150, "compare": 30, "benchmarks": 45}  # 345 s: results/benchmarks/README.md
+QUICK = False
+STATE: dict = {}  # every section's last result, as written to the .json
+REPORT: tuple | None = None  # (out, device description, gpus): where and how the report is rewritten
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {SECTIONS}")
+    parser.add_argument("--quick", action="store_true", help="every section small, each inside its time budget "
+                                                             f"({sum(QUICK_BUDGET_S.values())} s in all)")
+    parser.add_argument("--sections", default=None, help=f"comma-separated, from {SECTIONS} (default: all; --quick: "
+                                                         f"{','.join(QUICK_BUDGET_S)})")
     parser.add_argument("--cases", default=None, help="only these STABILIZERS:BACKBONE (comma-separated, + between "
                                                       "stabilizers), e.g. none:vit,muon:swin")
-    parser.add_argument("--workers", type=int, default=4, help="fits run at once on the GPU (section runs)")
+    parser.add_argument("--workers", type=int, default=None, help="fits run at once on the GPU (section runs; "
+                                                                  "default 4, --quick 8)")
     for option, value in SIZES.items():
-        parser.add_argument(f"--{option}", type=int, default=value, help=f"of each fit (section runs; default {value})")
+        parser.add_argument(f"--{option}", type=int, default=None,
+                            help=f"of each fit (section runs; default {value}, --quick {QUICK_SIZES[option]})")
+    parser.add_argument("--budget_scale", type=float, default=1.0,
+                        help="--quick: multiply every section's budget (0: no budgets, to time the sections)")
     parser.add_argument("--out", default=None, help="default results/benchmarks/gpu_check_<device>.md")
     parser.add_argument("--cpu_dry_run", action="store_true",
                         help="run the sections on the CPU against itself: tests this script without a GPU, proves "
@@ -67,38 +86,65 @@ def main() -> None:
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): nothing to check")
         raise SystemExit(2)
-    sections = [s for s in args.sections.split(",") if s]
+    sections = [s for s in (args.sections or ",".join(QUICK_BUDGET_S if args.quick else SECTIONS)).split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         raise SystemExit(f"gpu_check: unknown section(s) {unknown}; choose from {SECTIONS}")
     sys.path.insert(0, str(ROOT))
-    global DEVICE, SELECTED
+    global DEVICE, SELECTED, QUICK, REPORT
     DEVICE = "cpu" if args.cpu_dry_run else "cuda"
-    SIZES.update({option: getattr(args, option) for option in SIZES})
+    QUICK = args.quick
+    SIZES.update({option: getattr(args, option) if getattr(args, option) is not None else
+                  (QUICK_SIZES if QUICK else SIZES)[option] for option in SIZES})
+    workers = args.workers or (8 if QUICK else 4)
     SELECTED = None if args.cases is None else {tuple(c.replace("+", ",").split(":")) for c in args.cases.split(",")}
     device_name = "cpu dry run" if args.cpu_dry_run else torch.cuda.get_device_name(0)
     out = Path(args.out) if args.out else ROOT / "results" / "benchmarks" / f"gpu_check_{slug(device_name)}.md"
     state_path = out.with_suffix(".json")
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    STATE.update(json.loads(state_path.read_text()) if state_path.is_file() else {})
+    from stability.machine import describe
+
+    REPORT = (out, describe(DEVICE), torch.cuda.device_count())
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/gpu_check.py", *sys.argv[1:]])
     for section in sections:
         started = time.time()
-        print(f"gpu_check: {section} …", flush=True)
-        result = {"tests": run_gpu_tests, "runs": lambda: run_fits(args.workers), "compare": compare_with_cpu,
-                  "benchmarks": lambda: run_benchmarks(device_name), "ddp": compare_processes}[section]()
-        result.update(seconds=round(time.time() - started, 1), command=command,
+        budget = QUICK_BUDGET_S.get(section, 0) * args.budget_scale if QUICK and args.budget_scale > 0 else None
+        deadline = None if budget is None else started + budget
+        print(f"gpu_check: {section} …" + (f" (budget {budget} s)" if budget else ""), flush=True)
+        STATE[section] = {"passed": False, "running": True, "command": command, "quick": QUICK, "budget": budget,
+                          "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": 0.0}
+        run = {"tests": run_gpu_tests, "runs": lambda d: run_fits(workers, d), "compare": compare_with_cpu,
+               "benchmarks": lambda d: run_benchmarks(device_name, d), "ddp": lambda d: compare_processes()}[section]
+        result = run(deadline)
+        result.update(seconds=round(time.time() - started, 1), command=command, quick=QUICK, budget=budget,
                       date=time.strftime("%Y-%m-%d %H:%M"))
-        state[section] = result
-        state_path.parent.mkdir(parents=True, exist_ok=True)
-        state_path.write_text(json.dumps(state, indent=1) + "\n")  # a later failure keeps what is done
-        print(f"gpu_check: {section}: {'passed' if result['passed'] else 'FAILED'} ({result['seconds']:.0f} s)",
-              flush=True)
-    from stability.machine import describe
-
-    out.write_text(render(state, describe(DEVICE), torch.cuda.device_count()))
+        result.pop("running", None)
+        STATE[section] = result
+        save(state_path)
+        print(f"gpu_check: {section}: {'passed' if result['passed'] else 'FAILED'} ({result['seconds']:.0f} s"
+              + (f" of {budget} s" if budget else "") + ")", flush=True)
     print(out.read_text())
     print(f"wrote {out}")
-    raise SystemExit(0 if all(s["passed"] for s in state.values()) else 1)
+    raise SystemExit(0 if all(s["passed"] for s in STATE.values()) else 1)
+
+
+def save(state_path: Path | None = None) -> None:
+    """Rewrite the .json and the report from STATE (after every fit, case and section: a run cut short keeps them)."""
+    out, device, gpus = REPORT
+    state_path = state_path or out.with_suffix(".json")
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    state_path.write_text(json.dumps(STATE, indent=1) + "\n")
+    out.write_text(render(STATE, device, gpus))
+
+
+def progress(section: str, **fields) -> None:
+    """Record a section's partial result and rewrite the report."""
+    STATE[section].update(fields)
+    save()
+
+
+def remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.time())
 
 
 def slug(name: str) -> str:
@@ -106,52 +152,83 @@ def slug(name: str) -> str:
 
 
 def cases() -> list[tuple[str, str]]:
-    """(stabilizers, backbone) for every registered stabilizer with what it needs, and the tested compositions."""
+    """(stabilizers, backbone) for every registered stabilizer with what it needs, and the tested compositions
+    (--quick: on ViT)."""
     from stability.stabilizers import REGISTRY
 
     names = [",".join([*REGISTRY[n].needs, n]) for n in REGISTRY] + COMPOSITIONS
-    every = [(s, b) for s in names for b in BACKBONES if all(b in REGISTRY[n].backbones for n in s.split(","))]
+    backbones = ("vit",) if QUICK else BACKBONES
+    every = [(s, b) for s in names for b in backbones if all(b in REGISTRY[n].backbones for n in s.split(","))]
     return every if SELECTED is None else [case for case in every if case in SELECTED]
 
 
 # ------------------------------------------------------------------------------------------------- tests
-def run_gpu_tests() -> dict:
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p", "no:cacheprovider", "tests"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
-    failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    return {"passed": done.returncode == 0, "summary": lines[-1] if lines else done.stderr.strip()[-300:],
-            "failures": failures[:40], "pytest": "python " + " ".join(command[1:])}
+COMPARE_TEST = "losses_projections_and_measurements_match_the_cpu"  # --quick: the compare section runs it instead
+
+
+def run_gpu_tests(deadline: float | None) -> dict:
+    """``pytest -m gpu`` verbosely, so that a run cut at its budget still says which tests passed and failed."""
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-v", "-p", "no:cacheprovider", "tests"]
+    if QUICK:
+        command[-1:-1] = ["-k", f"not {COMPARE_TEST}"]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=remaining(deadline))
+        stdout, returncode, cut = done.stdout, done.returncode, False
+    except subprocess.TimeoutExpired as expired:
+        out = expired.stdout or b""
+        stdout, returncode, cut = out.decode(errors="replace") if isinstance(out, bytes) else out, 1, True
+    outcomes = re.findall(r"^(tests/\S+) (PASSED|FAILED|ERROR|SKIPPED)", stdout, flags=re.MULTILINE)
+    failures = [f"{outcome} {test}" for test, outcome in outcomes if outcome in ("FAILED", "ERROR")]
+    errors = [line for line in stdout.splitlines() if line.startswith("E  ")]
+    counts = {o: sum(1 for _, x in outcomes if x == o) for o in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    summary = ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n) or "no test ran"
+    if cut:
+        summary = f"cut at its budget after {len(outcomes)} tests: {summary}"
+    return {"passed": returncode == 0, "summary": summary, "failures": failures[:40], "errors": errors[:40],
+            "pytest": "python " + " ".join(command[1:])}
 
 
 # -------------------------------------------------------------------------------------------------- runs
 def fit_command(stabilizer: str, backbone: str, run_dir: Path) -> list[str]:
     accelerator = "gpu" if DEVICE == "cuda" else "cpu"
+    attacks = "[fgsm, pgd, autoattack]" if not QUICK or stabilizer in QUICK_AUTOATTACK else "[fgsm, pgd]"
     return [sys.executable, "-m", "stability", "fit", "--stabilizer", stabilizer, "--model.backbone", backbone,
             "--data.image_size", "16", "--trainer.max_epochs", str(SIZES["epochs"]),
             "--trainer.precision", "bf16-mixed", "--trainer.accelerator", accelerator, "--trainer.devices", "1",
             "--trainer.enable_progress_bar", "false",
             "--run_dir", str(run_dir), "--test_after_fit", "true",
-            "--robustness.test_attacks", "[fgsm, pgd, autoattack]",
+            "--robustness.test_attacks", attacks,
             "--robustness.attack_num_points", str(SIZES["attack_points"]),
             "--robustness.autoattack_num_points", str(SIZES["autoattack_points"]), "--lipschitz.test_num_points", "128",
             "--lipschitz.attention_points", "8"]
 
 
-def run_fits(workers: int) -> dict:
+def run_fits(workers: int, deadline: float | None) -> dict:
     root = ROOT / "runs" / "gpu_check"
-    todo = cases()
+    todo = sorted(cases(), key=lambda case: case[0] not in QUICK_AUTOATTACK)  # the longest fits start first
+    rows: list[dict] = []
 
     def one(case):
         stabilizer, backbone = case
         run_dir = root / f"{backbone}_{stabilizer.replace(',', '+')}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts clean
         started = time.time()
-        done = subprocess.run(fit_command(stabilizer, backbone, run_dir), cwd=ROOT, capture_output=True, text=True)
+        left = remaining(deadline)
+        if left is not None and left < 1:
+            return {"stabilizers": stabilizer, "backbone": backbone, "seconds": 0.0, "exit": None, "passed": False,
+                    "problems": ["not started: the section's budget was spent"]}
+        try:
+            done = subprocess.run(fit_command(stabilizer, backbone, run_dir), cwd=ROOT, capture_output=True, text=True,
+                                  timeout=left)
+        except subprocess.TimeoutExpired:
+            return {"stabilizers": stabilizer, "backbone": backbone, "seconds": round(time.time() - started, 1),
+                    "exit": None, "passed": False, "problems": ["cut at the section's budget"]}
         return check_run(stabilizer, backbone, run_dir, done, time.time() - started)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        rows = list(pool.map(one, todo))
+        for row in pool.map(one, todo):  # in order: each finished fit goes into the report at once
+            rows.append(row)
+            progress("runs", rows=rows)
     return {"passed": all(r["passed"] for r in rows), "rows": rows,
             "fit": " ".join(fit_command("<stabilizers>", "<backbone>", Path("<dir>"))[1:])}
 
@@ -208,57 +285,65 @@ def training_losses(run_dir: Path) -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------------- compare
-def compare_with_cpu() -> dict:
-    from stability.classifier import CROSS_ENTROPY, ImageClassifier
+def compare_with_cpu(deadline: float | None) -> dict:
+    """stability/parity.py on every case: the reference on the CPU against a copy on the device, float32, TF32 off."""
+    from stability import parity
+    from stability.classifier import ImageClassifier
     from stability.models import without_dropout
-    from stability.nn.precision import ieee_float32
 
-    rows = []
+    rows: list[dict] = []
     for stabilizer, backbone in cases():
+        if remaining(deadline) == 0:
+            rows.append({"stabilizers": stabilizer, "backbone": backbone, "passed": False, "keys": 0,
+                         "worst": "not run: the section's budget was spent"})
+            continue
         torch.manual_seed(0)
         cpu = without_dropout(ImageClassifier(backbone=backbone, image_size=16, stabilizer=stabilizer).train())
-        gpu = copy.deepcopy(cpu).to(DEVICE)
         gen = torch.Generator().manual_seed(1)
         images, labels = torch.rand(32, 1, 16, 16, generator=gen), torch.randint(0, 10, (32,), generator=gen)
-        with ieee_float32():
-            terms = {}
-            for side, module, device in (("cpu", cpu, "cpu"), ("device", gpu, DEVICE)):
-                optimizer = module.build_optimizer()
-                optimizer.zero_grad(set_to_none=True)
-                _, terms[side] = module.losses(images.to(device), labels.to(device))
-                sum(t for n, t in terms[side].items() if n != CROSS_ENTROPY).backward()
-                optimizer.step()
-                module.after_optimizer_step(0)
-        on_cpu = {k: float(v.detach()) for k, v in terms["cpu"].items()}
-        loss_error = max(abs(float(terms["device"][k].detach()) - v) / max(abs(v), 1e-6) for k, v in on_cpu.items())
-        pairs = [(a.detach(), b.detach().cpu()) for a, b in zip(cpu.parameters(), gpu.parameters())]
-        weight_error = max(float((b - a).abs().max()) / max(float(a.abs().max()), 1e-6) for a, b in pairs)
-        weight_tolerance = MUON_TOLERANCE if "muon" in stabilizer else TOLERANCE
-        rows.append({"stabilizers": stabilizer, "backbone": backbone, "loss terms": sorted(terms["cpu"]),
-                     "loss error": loss_error, "weight error": weight_error, "weight tolerance": weight_tolerance,
-                     "passed": loss_error <= TOLERANCE and weight_error <= weight_tolerance})
+        differences, other = parity.compare_training_step(cpu, images, labels, DEVICE)
+        differences += parity.compare_measurements(parity.measurements(cpu, images, labels),
+                                                   parity.measurements(other, images.to(DEVICE), labels.to(DEVICE)))
+        bad = parity.failures(differences)
+        worst = max(differences, key=lambda d: d.difference / max(d.tolerance, 1e-300))
+        rows.append({"stabilizers": stabilizer, "backbone": backbone, "passed": not bad, "keys": len(differences),
+                     "worst": str(worst), "failures": [str(d) for d in bad[:10]]})
+        progress("compare", rows=rows)
     return {"passed": all(r["passed"] for r in rows), "rows": rows}
 
 
 # -------------------------------------------------------------------------------------------- benchmarks
-def run_benchmarks(device_name: str) -> dict:
-    name, folder = slug(device_name), "results/benchmarks"
+def benchmark_commands(name: str) -> list[list[str]]:
+    """The benchmark scripts' command lines; their tables go beside the report."""
+    out = REPORT[0].parent
+    folder = str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)
     quick = ["--quick"] if DEVICE == "cpu" else []
-    commands = [
+    if QUICK:
+        return [["benchmarks/step_cost.py", "--device", DEVICE, "--backbones", "vit:small", "--tokens", "256",
+                 "--precision", "bf16", "--repeats", "5", *quick, "--out", f"{folder}/step_cost_{name}_quick.md"]]
+    return [
         ["benchmarks/step_cost.py", "--device", DEVICE, "--backbones", "vit:small,swin:tiny,cswin:tiny",
          "--tokens", "64,256", "--precision", "fp32,bf16", "--repeats", "5", *quick,
          "--out", f"{folder}/step_cost_{name}.md"],
         *[["benchmarks/measurement_cost.py", "--device", DEVICE, "--batch", "256", "--precision", precision, *quick,
            "--out", f"{folder}/measurement_cost_{name}_{precision}.md"] for precision in ("fp32", "bf16")],
     ]
+
+
+def run_benchmarks(device_name: str, deadline: float | None) -> dict:
     rows = []
-    for command in commands:
+    for command in benchmark_commands(slug(device_name)):
         started = time.time()
-        done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True)
-        rows.append({"command": "python " + " ".join(command), "exit": done.returncode,
-                     "seconds": round(time.time() - started, 1), "table": command[-1],
-                     "error": done.stderr.strip().splitlines()[-1:] if done.returncode else [],
-                     "passed": done.returncode == 0})
+        try:
+            done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=remaining(deadline))
+            exit_code, error = done.returncode, done.stderr.strip().splitlines()[-1:] if done.returncode else []
+        except subprocess.TimeoutExpired:
+            exit_code, error = None, ["cut at the section's budget"]
+        rows.append({"command": "python " + " ".join(command), "exit": exit_code,
+                     "seconds": round(time.time() - started, 1), "table": command[-1], "error": error,
+                     "passed": exit_code == 0})
+        progress("benchmarks", rows=rows)
     return {"passed": all(r["passed"] for r in rows), "rows": rows}
 
 
@@ -291,40 +376,44 @@ def compare_processes() -> dict:
 # ------------------------------------------------------------------------------------------------ report
 def render(state: dict, device: str, gpus: int) -> str:
     lines = [f"# GPU check: {device}", "",
-             f"{gpus} GPU(s). Each section below gives the command that made it, its date and wall-clock time; "
-             "`python benchmarks/gpu_check.py --sections NAME` reruns one section.", ""]
+             f"{gpus} GPU(s). Each section below gives the command that made it, its date and wall-clock time (and its "
+             "budget under `--quick`); `python benchmarks/gpu_check.py --sections NAME` reruns one section.", ""]
     for section in SECTIONS:
         if section not in state:
             continue
         s = state[section]
-        lines += [f"## {section}: {'passed' if s['passed'] else 'FAILED'}", "",
-                  f"`{s['command']}` on {s['date']}, {s['seconds']:.0f} s.", ""]
-        if section == "tests":
+        verdict = "RUNNING (or cut short)" if s.get("running") else ("passed" if s["passed"] else "FAILED")
+        budget = f" of its {s['budget']} s budget" if s.get("budget") else ""
+        lines += [f"## {section}: {verdict}", "",
+                  f"`{s['command']}` on {s['date']}, {s['seconds']:.0f} s{budget}.", ""]
+        if section == "tests" and "summary" in s:
             lines += [f"`{s['pytest']}`: {s['summary']}", ""]
             lines += [f"- {f}" for f in s["failures"]] + ([""] if s["failures"] else [])
-        elif section == "runs":
-            lines += [f"Each run: `{s['fit']}`", "",
+            if s.get("errors"):
+                lines += ["```", *s["errors"], "```", ""]
+        elif section == "runs" and "rows" in s:
+            lines += [f"Each run: `{s.get('fit', '')}`", "",
                       "| stabilizers | backbone | exit | s | clean | worst robust | best certified | verdict |",
                       "|---|---|---|---|---|---|---|---|"]
             lines += [f"| {r['stabilizers']} | {r['backbone']} | {r['exit']} | {r['seconds']:.0f} | "
                       f"{fmt(r.get('clean'))} | {fmt(r.get('worst robust'))} | {fmt(r.get('certified'))} | "
                       f"{'ok' if r['passed'] else '; '.join(r['problems'])} |" for r in s["rows"]]
             lines.append("")
-        elif section == "compare":
-            lines += [f"Float32, TF32 off; tolerance {TOLERANCE:g} relative ({MUON_TOLERANCE:g} for the weights after "
-                      "a Muon step, which torch.optim.Muon orthogonalises in bf16).", "",
-                      "| stabilizers | backbone | loss terms | max loss difference | max weight difference after a "
-                      "step | verdict |", "|---|---|---|---|---|---|"]
-            lines += [f"| {r['stabilizers']} | {r['backbone']} | {', '.join(r['loss terms'])} | "
-                      f"{r['loss error']:.1e} | {r['weight error']:.1e} | {'ok' if r['passed'] else 'over'} |"
-                      for r in s["rows"]]
+        elif section == "compare" and "rows" in s:
+            lines += ["Float32, TF32 off, compared as `stability/parity.py` defines (loss terms, gradients, the "
+                      "weights after one step from the same gradients, measurements). Worst key: the one closest to "
+                      "its tolerance.", "", "| stabilizers | backbone | keys | worst key | verdict |",
+                      "|---|---|---|---|---|"]
+            for r in s["rows"]:
+                lines.append(f"| {r['stabilizers']} | {r['backbone']} | {r['keys']} | {r['worst']} | "
+                             f"{'ok' if r['passed'] else '<br>'.join(r.get('failures') or ['over'])} |")
             lines.append("")
-        elif section == "benchmarks":
+        elif section == "benchmarks" and "rows" in s:
             lines += ["| command | exit | s | table |", "|---|---|---|---|"]
             lines += [f"| `{r['command']}` | {r['exit']} | {r['seconds']:.0f} | [{Path(r['table']).name}]"
                       f"({Path(r['table']).name}) |" for r in s["rows"]]
             lines.append("")
-        elif section == "ddp":
+        elif section == "ddp" and ("one" in s or "skipped" in s):
             lines += [s.get("skipped") or f"one process: {s['one']}; two: {s['two']}", ""]
     return "\n".join(lines) + "\n"
 

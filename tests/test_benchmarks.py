@@ -62,20 +62,33 @@ def test_estimator_accuracy_power_iteration_never_exceeds_the_exact_norm(tmp_pat
 def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     """The script's own logic (a fit and its checks, the GPU-vs-CPU comparison, the report, sections run in separate
     calls and kept), run on the CPU against itself: it proves nothing about a GPU, but a GPU session finds no bug of
-    the script's own."""
+    the script's own. ``--quick`` runs every section inside its budget; with budgets too small to finish, each
+    section stops, says so, and the report keeps what was done."""
     out = tmp_path / "check.md"
 
-    def check(*args: str) -> None:
+    def check(*args: str, status: int = 0) -> None:
         done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu_dry_run", *args,
                                "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.returncode == status, done.stdout[-3000:] + done.stderr[-3000:]
 
-    check("--sections", "runs", "--cases", "none:vit", "--epochs", "1", "--attack_points", "64",
-          "--autoattack_points", "4")
-    check("--sections", "compare", "--cases", "none:vit,spectral_norm:swin")
+    check("--quick", "--sections", "tests,runs,compare,benchmarks", "--cases", "none:vit,spectral_norm:vit",
+          "--attack_points", "32", "--autoattack_points", "2", "--budget_scale", "10")  # 2 CPU cores, not a GPU
     text = out.read_text()
-    assert "## runs: passed" in text and "## compare: passed" in text and "| spectral_norm | swin |" in text
+    for section in ("tests", "runs", "compare", "benchmarks"):
+        assert f"## {section}: passed" in text and f"s budget." in text, section
+    assert "| spectral_norm | vit |" in text and "skipped" in text  # the gpu tests skip on the CPU
     state = __import__("json").loads(out.with_suffix(".json").read_text())
-    (run,) = state["runs"]["rows"]
-    assert run["backbone"] == "vit" and 0 <= run["clean"] <= 1 and run["autoattack points"] == 4
-    assert len(state["compare"]["rows"]) == 2
+    runs = {row["stabilizers"]: row for row in state["runs"]["rows"]}
+    assert runs["none"]["autoattack points"] == 2 and runs["spectral_norm"]["autoattack points"] is None  # AA: a few
+    assert 0 <= runs["none"]["clean"] <= 1 and len(state["compare"]["rows"]) == 2
+    assert state["benchmarks"]["rows"][0]["command"].startswith("python benchmarks/step_cost.py")
+    check("--sections", "compare", "--cases", "none:vit,spectral_norm:swin")  # the full mode, one section
+    state = __import__("json").loads(out.with_suffix(".json").read_text())
+    assert state["runs"]["quick"] and not state["compare"]["quick"]  # the other sections keep their last results
+    assert "| spectral_norm | swin |" in out.read_text()
+    check("--quick", "--sections", "runs,compare", "--cases", "none:vit", "--budget_scale", "0.0001", status=1)
+    state = __import__("json").loads(out.with_suffix(".json").read_text())
+    assert state["runs"]["rows"][0]["problems"] in (["cut at the section's budget"],
+                                                    ["not started: the section's budget was spent"])
+    assert state["compare"]["rows"][0]["worst"] == "not run: the section's budget was spent"
+    assert "## runs: FAILED" in out.read_text()

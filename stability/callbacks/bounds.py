@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..lipschitz.certified import Bound, certified_bound
+from .precision import float64_copy
 
 
 def certified_bound_of(stabilizers, network: nn.Module) -> tuple[Bound | None, str]:
@@ -13,3 +14,15 @@ def certified_bound_of(stabilizers, network: nn.Module) -> tuple[Bound | None, s
         return min(bounds, key=lambda b: b.value), ""
     _, reason = certified_bound(network)
     return None, reason or "no selected stabilizer certifies a bound"
+
+
+def exact_certificate(stabilizers, network: nn.Module) -> tuple[Bound | None, str, nn.Module | None]:
+    """(bound, "", a float64 copy of the network) where the model has a certified bound — the bound composed from the
+    copy, whose logits a certificate then uses — else (None, why, None). Float64 at measurement time: rounding can
+    then only make a certificate smaller (stability/robustness/certified.py)."""
+    bound, reason = certified_bound_of(stabilizers, network)
+    if bound is None:
+        return None, reason, None
+    exact = float64_copy(network)
+    bound, reason = certified_bound_of(stabilizers, exact)
+    return bound, reason, exact

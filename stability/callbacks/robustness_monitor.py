@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .. import tags
 from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
-from .bounds import certified_bound_of
+from .bounds import exact_certificate
 from .points import dataset_of, has_finite_weights, measure_batches, point_count
 from .precision import float32_network
 
@@ -113,7 +113,7 @@ class RobustnessMonitor(L.Callback):
         settings = AttackSettings(pl_module.hparams.num_classes, self.pgd_steps, None, self.autoattack_version,
                                   self.seed)
         with float32_network(pl_module.network) as network:
-            bound, reason = certified_bound_of(pl_module.stabilizers, network)
+            bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64: rounding shrinks radii
 
             def measure(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
                 start = index * self.batch_size
@@ -123,8 +123,8 @@ class RobustnessMonitor(L.Callback):
                     if inside:
                         out[spec.label] = survivors(network, images[:inside], labels[:inside], spec, settings, index)
                 if bound is not None:
-                    with evaluating(network), torch.no_grad():
-                        out["radius"] = certified_radii(network(images), labels, bound)
+                    with evaluating(exact), torch.no_grad():
+                        out["radius"] = certified_radii(exact(images.double()), labels, bound)
                 return out
 
             batches = measure_batches(dataset, count, self.batch_size, pl_module.device, measure)

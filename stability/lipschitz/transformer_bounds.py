@@ -24,7 +24,9 @@ Heads are combined through W_O as (1/3)·min(‖W_O‖·√Σ_h Lip_h², Σ_h �
 columns of head h); the MLP as ‖W₂‖·‖W₁‖; a block as (1 − a) + a·Lip(f). Token sizes: the
 embedding ‖W_e‖·max‖patch‖ + max‖b_e + pos_i‖ (and ‖cls + pos_0‖); attention output
 (1/3)·min(‖W_O‖√Σ r_v², Σ‖W_O^h‖r_v) + ‖b_O‖ (each head's output is a convex combination of value
-rows); MLP ‖W₂‖(‖W₁‖r + ‖b₁‖) + ‖b₂‖. Class-token pooling is 1-Lipschitz, mean pooling 1/√N. The logits are
+rows); MLP ‖W₂‖(‖W₁‖r + ‖b₁‖) + ‖b₂‖. L2 attention: Kim et al.'s Theorem 3.2, global (divided by its unit-norm
+constant for ``l2_unit``); token mixing M·X·W_Vᵀ·W_Oᵀ: ‖M‖‖W_V‖‖W_O‖. Class-token pooling is 1-Lipschitz, mean
+pooling 1/√N. The logits are
 c·W_head·h with c the network's logit scale (the reference's ``final_scale``): both bounds include c.
 
 **Paper's bound** (:func:`paper_bound`, for comparison with its figures, certifies nothing in
@@ -46,8 +48,9 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..models import AttentionSite, ConvexResidualBlock, PatchLinear
-from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound
+from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound, unit_divisor
 from ..nn.lipschitz_blocks import LipschitzDotKernel, activation_lipschitz
+from ..nn.token_mixing import TokenMixing
 
 
 class NotALipschitzTransformer(Exception):
@@ -86,9 +89,9 @@ def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d
             raise NotALipschitzTransformer("a block without the convex residual")
         block = wrapper.block
         if not (isinstance(getattr(block.attn, "kernel", None), LipschitzDotKernel)
-                or isinstance(block.attn, L2MultiHeadAttention)):
-            raise NotALipschitzTransformer("attention other than the Lipschitz transformer's dot-product kernel or "
-                                           "L2 attention")
+                or isinstance(block.attn, (L2MultiHeadAttention, TokenMixing))):
+            raise NotALipschitzTransformer("attention other than the Lipschitz transformer's dot-product kernel, "
+                                           "L2 attention or token mixing")
         if not (isinstance(block.norm1, nn.Identity) and isinstance(block.norm2, nn.Identity)):
             raise NotALipschitzTransformer("a LayerNorm inside a block (it has no global bound)")
         if activation_lipschitz(block.mlp.act) is None:
@@ -146,13 +149,17 @@ def bound_matrices(network: nn.Module) -> dict[str, torch.Tensor]:
     matrices = {"embed": embed.weight.reshape(embed.weight.shape[0], -1)}
     for i, wrapper in enumerate(blocks):
         attn, mlp = wrapper.block.attn, wrapper.block.mlp
+        matrices[f"{i}.fc1"], matrices[f"{i}.fc2"] = mlp.fc1.weight, mlp.fc2.weight
+        if isinstance(attn, TokenMixing):
+            matrices[f"{i}.mix"], matrices[f"{i}.v"], matrices[f"{i}.o"] = attn.mix.weight, attn.v.weight, \
+                attn.proj.weight
+            continue
         weight, w_o, width = attn.qkv.weight, attn.proj.weight, attn.head_dim
         for h in range(attn.num_heads):
             for part in "qkv":
                 matrices[f"{i}.{part}{h}"] = weight[_head_rows(attn, part, h)]
             matrices[f"{i}.o{h}"] = w_o[:, h * width:(h + 1) * width]
         matrices[f"{i}.o"] = w_o
-        matrices[f"{i}.fc1"], matrices[f"{i}.fc2"] = mlp.fc1.weight, mlp.fc2.weight
     matrices["head"] = backbone.head.weight
     return matrices
 
@@ -179,6 +186,8 @@ def pixel_bound(network: nn.Module, differentiable: bool = False,
         attn = block.attn
         if isinstance(attn, L2MultiHeadAttention):
             lip_att, r_att = _l2_attention(i, attn, sigmas, tokens, r, differentiable)
+        elif isinstance(attn, TokenMixing):
+            lip_att, r_att = _token_mixing(i, attn, sigmas, r, differentiable)
         else:
             lip_att, r_att = _dot_attention(i, attn, sigmas, tokens, r, differentiable)
         bound = bound * ((1 - a) + a * lip_att)
@@ -235,15 +244,29 @@ def _l2_attention(i: int, attn: L2MultiHeadAttention, sigmas: dict[str, torch.Te
     lip = l2_attention_bound(tokens, attn.head_dim, w_q, w_v, whole)
     size = whole * torch.linalg.vector_norm(w_q.pow(2) * w_v * r / math.sqrt(attn.head_dim)) \
         + _size(attn.proj.bias, differentiable, r)
+    if attn.unit:
+        divisor = unit_divisor(tokens, attn.num_heads, attn.head_dim)
+        return lip / divisor, size / divisor
     return lip, size
+
+
+def _token_mixing(i: int, attn: TokenMixing, sigmas: dict[str, torch.Tensor], r: torch.Tensor,
+                  differentiable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Lipschitz bound, output token size) of token mixing M·X·W_Vᵀ·W_Oᵀ: ‖M‖·‖W_V‖·‖W_O‖ over the sequence
+    (a Kronecker product), and ‖W_O‖‖W_V‖·max_i Σ_j |M_ij|·r per token."""
+    mix = attn.mix.weight if differentiable else attn.mix.weight.detach()
+    rows = mix.to(r.dtype).abs().sum(dim=1).max()
+    w = sigmas[f"{i}.o"] * sigmas[f"{i}.v"]
+    return sigmas[f"{i}.mix"] * w, w * rows * r
 
 
 def paper_bound(network: nn.Module) -> float:
     """Newhouse et al.'s composition in RMS→RMS norms over per-token RMS sizes, embedded tokens →
     logits (module docstring). Comparable with the paper's figures; it certifies nothing in pixels."""
     backbone, embed, blocks = _parts(network)
-    if any(isinstance(wrapper.block.attn, L2MultiHeadAttention) for wrapper in blocks):
-        raise NotALipschitzTransformer("the paper's bound is for its dot-product attention, not L2 attention")
+    if any(isinstance(wrapper.block.attn, (L2MultiHeadAttention, TokenMixing)) for wrapper in blocks):
+        raise NotALipschitzTransformer("the paper's bound is for its dot-product attention, not L2 attention or token "
+                                       "mixing")
 
     def rms(weight: torch.Tensor) -> torch.Tensor:  # ‖W‖_RMS→RMS = √(d_in/d_out)·σ₁
         w = weight.detach().reshape(weight.shape[0], -1)

@@ -12,6 +12,11 @@ and F(X) = [f¹(X), …, f^H(X)] · W_O. Their Theorem 3.2 bounds it in ℓ2 ove
 φ(x) = x·e^(x+1), so φ⁻¹(N − 1) = W₀((N − 1)/e) (Lambert's W), ≈ log N − log log N. The bound is checked here
 against exact Jacobian norms (tests) and grows like √N·log N in the number of tokens, not with their size.
 
+**Unit L2 attention** (``unit=True``): F divided by that bound at unit weight norms,
+c_N = √(N·H/d)·(4 W₀((N − 1)/e) + 1) (‖W_Q^h‖ = ‖W_V^h‖ = ‖W_O‖ = 1 in the bound; N from the input). With
+every σ₁ ≤ 1 — Muon's hard cap at σ_max = 1 on these square D × D matrices — the layer is 1-Lipschitz in ℓ2 over
+the whole sequence by the theorem, on every input.
+
 Computation: with q = X W_Q^h, the logits are −‖q_i‖²/√d + 2 q_i·q_j/√d − ‖q_j‖²/√d, and the first term is
 constant along a softmax row, so P = softmax(2 q qᵀ/√d − ‖q_j‖²/√d) — a scaled dot product with an additive
 bias, which the fused attention kernel takes; the values are X A_h W_V^h = q · (W_Q^hᵀ W_V^h) / √d.
@@ -47,6 +52,11 @@ def lambert_factor(tokens: int) -> float:
     return 4 * lambert_w0((tokens - 1) / math.e) + 1
 
 
+def unit_divisor(tokens: int, heads: int, head_dim: int) -> float:
+    """c_N = √(N·H/d)·(4·W₀((N − 1)/e) + 1): Theorem 3.2's bound at ‖W_Q^h‖ = ‖W_V^h‖ = ‖W_O‖ = 1."""
+    return math.sqrt(tokens * heads / head_dim) * lambert_factor(tokens)
+
+
 def l2_attention_bound(tokens: int, head_dim: int, w_q: torch.Tensor, w_v: torch.Tensor,
                        w_o: torch.Tensor) -> torch.Tensor:
     """The ℓ2 Lipschitz bound of L2 multi-head attention on N = ``tokens`` tokens, from the spectral norms
@@ -61,8 +71,9 @@ class L2MultiHeadAttention(nn.Module):
     module, one matrix), so constraints and optimizers see W_Q once. Follows the attention conventions of
     :mod:`stability.models.view` (``qkv``, ``proj``, ``num_heads``, ``fused_attn``, ``attn_drop``)."""
 
-    def __init__(self, original: nn.Module) -> None:
+    def __init__(self, original: nn.Module, unit: bool = False) -> None:
         super().__init__()
+        self.unit = unit  # divide by unit_divisor(N, H, d): 1-Lipschitz wherever every σ₁ ≤ 1
         if getattr(original, "kernel", None) is not None:
             raise ValueError(f"L2 attention replaces a plain ViT attention; this one computes its heads with "
                              f"{type(original.kernel).__name__} (set by another stabilizer)")
@@ -89,4 +100,5 @@ class L2MultiHeadAttention(nn.Module):
         else:
             logits = 2 / math.sqrt(d) * (q @ q.transpose(-2, -1)) + bias
             out = self.attn_drop(logits.softmax(dim=-1)) @ values
-        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
+        out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
+        return out / unit_divisor(n, h, d) if self.unit else out

@@ -6,7 +6,10 @@ exists, its initialisation, its two bounds, and the constraints on what the weig
 * no LayerNorm (Identity); convex residuals x ← (1 − a)x + a·f(x), a = residual_scale/(2N) for N blocks;
   attention (1/3)·W_O·softmax(s·QKᵀ/d)·V (1/d, not 1/√d); GELU/1.1289 (1-Lipschitz); DropPath bypassed;
   or, with ``attention: l2``, L2 self-attention with tied queries and keys (Kim et al. 2021,
-  :mod:`stability.nn.l2_attention`), globally Lipschitz (ViT);
+  :mod:`stability.nn.l2_attention`), globally Lipschitz (ViT); ``l2_unit``: the same divided by its Theorem 3.2
+  bound at unit weight norms, 1-Lipschitz under the hard cap at σ_max = 1 (the certified transformer); ``mixing``:
+  no attention, a learned N × N token-mixing matrix between W_V and W_O (:mod:`stability.nn.token_mixing`, the
+  certified transformer's control), 1-Lipschitz under the same cap;
 * every matrix a Linear that ``muon --muon.layers all`` constrains: the patch embedding as the linear
   map patch → token (non-overlapping patches), Q, K and V apart, W_O, the MLP and the head;
 * biases off (``biases``); positional embedding and class token kept at per-token RMS ≤ ``token_rms``
@@ -51,9 +54,11 @@ from ..models import (
 from ..nn.constraints import orthogonal_rms_
 from ..nn.l2_attention import L2MultiHeadAttention
 from ..nn.lipschitz_blocks import LipschitzDotKernel, MaxMin, ScaledGELU
+from ..nn.token_mixing import TokenMixing
 from .base import Stabilizer, register_stabilizer
 
 TOKEN_PARAMETERS = ("pos_embed", "cls_token")
+ATTENTIONS = ("dot", "l2", "l2_unit", "mixing")
 ACTIVATIONS = {"gelu": ScaledGELU, "relu": nn.ReLU, "maxmin": MaxMin}  # each 1-Lipschitz: the bounds take 1
 
 
@@ -69,7 +74,9 @@ class LipschitzTransformer(Stabilizer):
         zero_init: W_O, the MLP output and the head start at zero.
         token_rms: bound on the per-token RMS of the positional embedding and class token.
         logit_scale: c in logits = c·W_head·h (the reference's ``final_scale``; counted in the bounds).
-        attention: ``dot`` (the paper's) or ``l2`` (L2 self-attention, tied Q = K; ViT).
+        attention: ``dot`` (the paper's), ``l2`` (L2 self-attention, tied Q = K; ViT), ``l2_unit`` (L2 attention
+            over its bound at unit weight norms: 1-Lipschitz under σ₁ ≤ 1; ViT) or ``mixing`` (no attention: a learned
+            token-mixing matrix, the control; ViT).
         activation: the MLPs' 1-Lipschitz activation: ``gelu`` (the paper's GELU/1.1289), ``relu`` (the
             reference code's MLPs) or ``maxmin`` (GroupSort-2, norm-preserving: Anil et al. 2019).
     """
@@ -84,15 +91,15 @@ class LipschitzTransformer(Stabilizer):
 
     def __init__(self, attention_scale: float = 1.0, residual_scale: float = 1.0, biases: bool = False,
                  orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0,
-                 logit_scale: float = 1.0, attention: Literal["dot", "l2"] = "dot",
+                 logit_scale: float = 1.0, attention: Literal["dot", "l2", "l2_unit", "mixing"] = "dot",
                  activation: Literal["gelu", "relu", "maxmin"] = "gelu") -> None:
         if attention_scale <= 0 or token_rms <= 0 or residual_scale <= 0 or logit_scale <= 0:
             raise ValueError(f"lipschitz_transformer: need attention_scale > 0, residual_scale > 0, token_rms > 0 and "
                              f"logit_scale > 0; got {attention_scale}, {residual_scale}, {token_rms}, {logit_scale}")
         self.attention_scale, self.residual_scale, self.biases = attention_scale, residual_scale, biases
         self.orthogonal_init, self.zero_init, self.token_rms = orthogonal_init, zero_init, token_rms
-        if attention not in ("dot", "l2"):
-            raise ValueError(f"lipschitz_transformer: attention must be 'dot' or 'l2', got {attention!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"lipschitz_transformer: attention must be one of {list(ATTENTIONS)}, got {attention!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"lipschitz_transformer: activation must be one of {list(ACTIVATIONS)}, "
                              f"got {activation!r}")
@@ -102,8 +109,10 @@ class LipschitzTransformer(Stabilizer):
         backbone = network.backbone if hasattr(network, "backbone") else network
         for site in norm_sites(backbone):
             site.replace(nn.Identity())
-        if self.attention == "l2":
-            self._use_l2_attention(backbone)
+        if self.attention in ("l2", "l2_unit"):
+            self._use_l2_attention(backbone, unit=self.attention == "l2_unit")
+        elif self.attention == "mixing":
+            self._use_token_mixing(backbone)
         else:
             replace_attention_kernels(backbone, lambda attn: LipschitzDotKernel(
                 attn.qkv.out_features // (3 * attn.num_heads), self.attention_scale))
@@ -120,20 +129,30 @@ class LipschitzTransformer(Stabilizer):
         self._bound_tokens(backbone)
         network.logit_scale = self.logit_scale
 
-    @staticmethod
-    def _use_l2_attention(backbone: nn.Module) -> None:
+    def _vit_sites(self, backbone: nn.Module):
         sites = attention_sites(backbone)
         if not all(isinstance(site.module, (TimmAttention, KernelAttention)) for site in sites):
-            raise ValueError("lipschitz_transformer: attention: l2 is implemented for the ViT backbone's attention "
-                             "(use attention: dot on Swin and CSwin)")
+            raise ValueError(f"lipschitz_transformer: attention: {self.attention} is implemented for the ViT "
+                             f"backbone's attention (use attention: dot on Swin and CSwin)")
+        return sites
+
+    def _use_l2_attention(self, backbone: nn.Module, unit: bool) -> None:
         replacements = []
-        for site in sites:  # all built before any is swapped in; L2 attention refuses a kernel another stabilizer set
-            try:
-                replacements.append((site.name, L2MultiHeadAttention(site.module)))
+        for site in self._vit_sites(backbone):  # all built before any is swapped in; L2 attention refuses a kernel
+            try:                                 # another stabilizer set
+                replacements.append((site.name, L2MultiHeadAttention(site.module, unit=unit)))
             except ValueError as err:
                 raise ValueError(f"lipschitz_transformer: attention {site.name!r}: {err}") from None
         for name, module in replacements:
             replace_submodule(backbone, name, module)
+
+    def _use_token_mixing(self, backbone: nn.Module) -> None:
+        tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+        for site in self._vit_sites(backbone):
+            if getattr(site.module, "kernel", None) is not None:
+                raise ValueError(f"lipschitz_transformer: attention {site.name!r} computes its heads with "
+                                 f"{type(site.module.kernel).__name__} (set by another stabilizer); mixing replaces it")
+            replace_submodule(backbone, site.name, TokenMixing(site.module.qkv.in_features, tokens))
 
     @torch.no_grad()
     def _initialise(self, backbone: nn.Module) -> None:

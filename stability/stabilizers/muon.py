@@ -220,6 +220,17 @@ class MuonConstrained(Stabilizer):
         self._matrices = [p for group in self._muon.param_groups for p in group["params"]]
         return CombinedOptimizer([self._muon, rest], before_update=self._before_update)
 
+    def step_bounds(self) -> dict[int, float]:
+        """id(matrix) → an a-priori bound on the Frobenius norm of its change in one Muon step, decay aside:
+        ‖ΔW‖_F ≤ √rank·‖ΔW‖₂ ≤ √min(A, B)·η·√(A/B)·B (B: :func:`newton_schulz_bound`). Newton–Schulz multiplies
+        rounding in the small singular directions of the momentum (slope 3.4 at 0, five times), so two devices'
+        updates from the same gradients agree in this size, not entry by entry (stability/parity.py)."""
+        if self.optimizer != "muon" or self._muon is None:
+            return {}
+        bound = newton_schulz_bound(self.ns_steps)
+        return {id(p): min(p.shape) ** 0.5 * nominal_lr(group) * (p.shape[0] / p.shape[1]) ** 0.5 * bound
+                for group in self._muon.param_groups for p in group["params"]}
+
     def _etas(self) -> list[float]:
         """The current nominal learning rate η of each matrix (the schedule sets it on every group): the size of
         its Muon update in RMS→RMS norm, and the rate of its decay."""
