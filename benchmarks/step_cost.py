@@ -5,8 +5,10 @@ batch, seed and precision, one process, the stabilizers taking turns (interleave
     python benchmarks/step_cost.py --device cuda         # batch 256, fp32 and bf16 (autocast, as bf16-mixed)
     python benchmarks/step_cost.py --backbones vit --sizes micro --tokens 64 --repeats 3
 
-Targets: specformer ≤ 1.10×, spectral_norm ≤ 1.15× (from the initialisation and at the cap), lipsformer ≤ 1.20×,
-muon soft cap and hard cap ≤ 1.30× over plain Muon, jasmin ≤ 1.25× on CPU (≤ 1.3× on GPU at 256 tokens).
+Every registered stabilizer has a row (tests/test_benchmarks.py), and timm's own ``qk_norm=True`` one for comparison.
+Targets: specformer, qk_norm and sigma_reparam ≤ 1.10×, spectral_norm ≤ 1.15× (from the initialisation and at the
+cap), lipsformer and softcap ≤ 1.20×, muon soft cap and hard cap ≤ 1.30× over plain Muon, jasmin ≤ 1.25× on CPU
+(≤ 1.3× on GPU at 256 tokens).
 "spectral_norm project, at the cap" starts from weights with σ₁ = σ_max (every weight is scaled every step:
 the steady state of a run whose weights reached the cap); the plain row starts from the initialisation.
 Its exact check (every ``check_every`` = 100 steps) is timed on its own and shown amortised per step.
@@ -44,6 +46,7 @@ class Case:
     gpu_target: float | None = None
     vit_only: bool = False
     at_cap: bool = False          # start from weights at the cap (σ₁ = σ_max = 1)
+    backbone_options: dict | None = None  # e.g. timm's own qk_norm, for comparison
 
 
 CASES = [
@@ -70,6 +73,15 @@ CASES = [
          gpu_target=1.30),
     Case("muon hard_cap, exact", "muon", {"constraint": "hard_cap", "method": "exact"},
          reference="muon (no constraint)"),
+    Case("qk_norm", "qk_norm", target=1.10, gpu_target=1.10),
+    Case("timm qk_norm=True", "none", vit_only=True, backbone_options={"qk_norm": True}),
+    Case("softcap", "softcap", target=1.20, gpu_target=1.20),
+    Case("sigma_reparam", "sigma_reparam", target=1.10, gpu_target=1.10),
+    Case("z_loss", "z_loss"),
+    Case("tau_ce", "tau_ce"),
+    Case("lipschitz_transformer + muon hard_cap", "lipschitz_transformer,muon", vit_only=True),
+    Case("lipschitz_transformer + muon + lipschitz_margin", "lipschitz_transformer,muon,lipschitz_margin",
+         vit_only=True),
 ]
 CHECK_EVERY = 100  # spectral_norm's default check_every
 
@@ -112,7 +124,7 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
     steps, memory, modules = {}, {}, {}
     for case in cases:
         module, optimizer = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
-                                         device=device, backbone_options=options)
+                                         device=device, backbone_options={**options, **(case.backbone_options or {})})
         if case.at_cap:
             put_weights_at_the_cap(module)
         counter = iter(range(1, 10 ** 9))  # step indices: the timed steps are never check steps (1, 2, …, < 99)

