@@ -38,6 +38,10 @@ class ImageClassifier(L.LightningModule):
         scheduler: ``cosine`` or ``linear`` (decay to ``min_lr_ratio`` · lr) or ``constant``, per step.
         warmup_epochs: linear warmup length in epochs (fractions allowed); 0 turns it off.
         label_smoothing: of the cross-entropy task loss.
+        compile: train the network compiled by ``torch.compile`` (Lightning's advice: the network, not the module
+            that logs). Checkpoints keep the plain network's keys. A step whose forward a callback observes through
+            hooks (the training-stability signals, on logging steps) runs eagerly; a stabilizer that needs hooks on
+            every step is refused, with the reason.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class ImageClassifier(L.LightningModule):
         warmup_epochs: float = 0.0,
         min_lr_ratio: float = 0.0,
         label_smoothing: float = 0.0,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if lr <= 0:
@@ -76,12 +81,25 @@ class ImageClassifier(L.LightningModule):
         self.network = Network(net, mean, std, image_size)
         for stab in sorted(self.stabilizers, key=lambda s: s.prepare_order):
             stab.prepare(self.network)
+        self.eager_forward = False  # set by callbacks that hook into a step's forward
+        if compile:
+            refused = [(s.name, reason) for s in self.stabilizers if (reason := s.compile_refusal())]
+            if refused:
+                raise ValueError("--model.compile true: " + "; ".join(f"{name} cannot train compiled: {reason}"
+                                                                       for name, reason in refused))
+            # kept out of the module tree: the state dict (checkpoints) has the plain network's keys only
+            self.__dict__["_compiled_network"] = torch.compile(self.network)
         self._stabilizers_device: torch.device | None = None
         # validate_args=False: torchmetrics' argument checks read values back to the host at every update
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()  # exact means over uneven DDP shards
+
+    def _training_network(self) -> torch.nn.Module:
+        """The compiled network where there is one and no callback observes this step's forward, else the network."""
+        compiled = self.__dict__.get("_compiled_network")
+        return compiled if compiled is not None and not self.eager_forward else self.network
 
     @property
     def run_name(self) -> str:
@@ -108,7 +126,7 @@ class ImageClassifier(L.LightningModule):
         probs_ctx = capture_attention(backbone) if needs_probs else contextlib.nullcontext([])
         qk_ctx = capture_queries_keys(backbone) if needs_queries_keys else contextlib.nullcontext([])
         with probs_ctx as probs, qk_ctx as queries_keys:
-            logits = self.network(images)
+            logits = self._training_network()(images)
         step = ForwardStep(self.network, images, logits, targets, probs, queries_keys, self.global_step)
         replaced = [(s.name, loss) for s in self.stabilizers
                     if (loss := s.task_loss(step, self.cross_entropy(targets))) is not None]

@@ -76,6 +76,8 @@ class TrainingStability(L.Callback):
         self._activations, self._attention, self._log_z = {}, {}, None
         if self._recording:
             network = pl_module.network
+            pl_module.eager_forward = True  # the hooks below run in the plain network's forward, not a compiled one
+            self._observing.callback(setattr, pl_module, "eager_forward", False)
             unobserved = self._observing.enter_context(observe_attention_logits(network.backbone, self._observe))
             handle = network.register_forward_hook(self._record_log_z)
             self._observing.callback(handle.remove)

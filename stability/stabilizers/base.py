@@ -96,6 +96,13 @@ class Stabilizer:
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""
 
+    def compile_refusal(self) -> str | None:
+        """Why the network cannot train compiled (``--model.compile true``) beside this stabilizer, or None."""
+        if self.needs_attention_probs or self.needs_queries_keys:
+            return ("it reads the attention maps (or the queries and keys) of every training step through forward "
+                    "hooks, which a compiled graph does not call")
+        return None
+
     def task_loss(self, step: ForwardStep, default: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         """The objective to optimise instead of ``default(step.logits)`` (the module's cross-entropy), or None."""
         return None

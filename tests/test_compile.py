@@ -1,0 +1,50 @@
+"""``--model.compile true``: the network trains compiled by torch.compile with the numbers of the eager network,
+checkpoints keep the plain network's keys, logging steps that hook into the forward run eagerly, and a stabilizer that
+needs hooks on every step is refused by name with the reason."""
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from stability.callbacks import TrainingStability
+from stability.classifier import ImageClassifier
+from stability.data import Digits
+
+TINY = dict(embed_dim=16, depth=1, num_heads=2)
+
+
+def fit(compile: bool, tmp_path) -> tuple[ImageClassifier, L.Trainer]:
+    L.seed_everything(0)
+    # SGD: AdamW's first step moves a parameter whose exact gradient is zero (the key biases) by ±lr with the sign of
+    # its rounding noise, which differs between compiled and eager kernels (stability/parity.py)
+    module = ImageClassifier(backbone_options=TINY, stabilizer="qk_norm", compile=compile, optimizer="sgd", lr=0.05)
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=1, log_every_n_steps=2,
+                        logger=TensorBoardLogger(tmp_path / str(compile)), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        accelerator="cpu", devices=1, callbacks=[TrainingStability(log_every_n_steps=2)],
+                        deterministic=True)
+    trainer.fit(module, Digits(batch_size=32))
+    return module, trainer
+
+
+def test_a_compiled_fit_matches_the_eager_one_and_saves_plain_keys(tmp_path):
+    """Four steps, two of them logging steps (eager, observed by the training-stability hooks), two compiled."""
+    eager, _ = fit(False, tmp_path)
+    torch._dynamo.reset()
+    compiled, trainer = fit(True, tmp_path)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled graph ran
+    assert compiled.__dict__["_compiled_network"] is not None and not compiled.eager_forward
+    for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+    assert not [k for k in compiled.state_dict() if "_orig_mod" in k]
+    path = tmp_path / "compiled.ckpt"
+    trainer.save_checkpoint(path)
+    assert not [k for k in torch.load(path, weights_only=False)["state_dict"] if "_orig_mod" in k]
+    assert "stability/attn_logit_max/blocks.0.attn" in trainer.callback_metrics  # observed on a logging step
+
+
+def test_a_stabilizer_that_hooks_every_step_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="jasmin cannot train compiled: it reads the attention maps"):
+        ImageClassifier(backbone_options=TINY, stabilizer="jasmin", compile=True)
+    ImageClassifier(backbone_options=TINY, stabilizer="jasmin", compile=True,
+                    stabilizer_options={"jasmin": {"lam": 0.0}})  # λ = 0: no hooks, no refusal
