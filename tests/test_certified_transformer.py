@@ -122,10 +122,12 @@ def box_points(count: int, seed: int) -> torch.Tensor:
                       torch.randint(0, 2, (count, 1, 8, 8), generator=gen).double()])
 
 
-@pytest.mark.parametrize("attention", ["l2_unit", "mixing"])
+@pytest.mark.parametrize("attention, pooling", [("l2_unit", "backbone"), ("mixing", "backbone"), ("l2_unit", "flatten"),
+                                                ("mixing", "flatten")])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_certified_transformers_bound_is_above_its_exact_jacobian_norm_and_every_block_at_most_1(attention, seed):
-    network = sharpened_to_the_cap(certified(attention), seed)
+def test_the_certified_transformers_bound_is_above_its_exact_jacobian_norm_and_every_block_at_most_1(attention, pooling,
+                                                                                                    seed):
+    network = sharpened_to_the_cap(certified(attention, pooling=pooling), seed)
     bound, reason = certified_bound(network)
     assert bound is not None, reason
     assert float(jacobian_norm(network, box_points(6, seed), method="exact").max()) <= bound.value
@@ -151,9 +153,20 @@ def test_the_certified_transformers_matrices_are_all_constrained_and_paper_bound
                         stabilizer_options={"lipschitz_transformer": {"attention": "cosine"}})
 
 
+def test_the_flatten_head_reads_every_token_and_is_the_only_head():
+    module = certified("mixing", pooling="flatten")
+    backbone = module.network.backbone
+    assert backbone.global_pool == "" and backbone.head.in_features == (backbone.patch_embed.num_patches + 1) * 16
+    names = [n for n, _ in constrained_matrices(module.network, "all") if "head" in n]
+    assert names == ["backbone.head.weight"]
+    assert module.network(torch.rand(3, 1, 8, 8)).shape == (3, 10)
+    with pytest.raises(ValueError, match="pooling must be 'backbone' or 'flatten'"):
+        certified("mixing", pooling="max")
+
+
 @pytest.mark.parametrize("attention", ["l2_unit", "mixing"])
 def test_the_certified_transformer_trains(attention):
-    module = certified(attention)
+    module = certified(attention, pooling="flatten")
     optimizer = module.build_optimizer()
     gen = torch.Generator().manual_seed(0)
     images, labels = torch.rand(16, 1, 8, 8, generator=gen), torch.randint(0, 10, (16,), generator=gen)

@@ -63,3 +63,12 @@ class LipschitzDotKernel(nn.Module):
         else:
             out = attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
         return out / 3.0
+
+
+class FlattenLinear(nn.Linear):
+    """The classifier head on every token: (B, N, D) → flatten → (B, N·D) → W. Flattening is an isometry (ℓ2 of the
+    flat vector = Frobenius norm of the tokens), so the head's bound is σ₁(W), with no 1/√N and nothing averaged away:
+    the patches' positions reach the logits directly (a Lipschitz network's choice on small images)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(1))

@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 from timm.layers import Attention as TimmAttention
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..lipschitz.certified import Bound, certified_bound
@@ -53,7 +54,7 @@ from ..models import (
 )
 from ..nn.constraints import orthogonal_rms_
 from ..nn.l2_attention import L2MultiHeadAttention
-from ..nn.lipschitz_blocks import LipschitzDotKernel, MaxMin, ScaledGELU
+from ..nn.lipschitz_blocks import FlattenLinear, LipschitzDotKernel, MaxMin, ScaledGELU
 from ..nn.token_mixing import TokenMixing
 from .base import Stabilizer, register_stabilizer
 
@@ -79,6 +80,8 @@ class LipschitzTransformer(Stabilizer):
             token-mixing matrix, the control; ViT).
         activation: the MLPs' 1-Lipschitz activation: ``gelu`` (the paper's GELU/1.1289), ``relu`` (the
             reference code's MLPs) or ``maxmin`` (GroupSort-2, norm-preserving: Anil et al. 2019).
+        pooling: ``backbone`` (the backbone's own: class token, or ``global_pool: avg``) or ``flatten`` (the head
+            reads every token, :class:`~stability.nn.lipschitz_blocks.FlattenLinear`; ViT).
     """
 
     name = "lipschitz_transformer"
@@ -92,7 +95,8 @@ class LipschitzTransformer(Stabilizer):
     def __init__(self, attention_scale: float = 1.0, residual_scale: float = 1.0, biases: bool = False,
                  orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0,
                  logit_scale: float = 1.0, attention: Literal["dot", "l2", "l2_unit", "mixing"] = "dot",
-                 activation: Literal["gelu", "relu", "maxmin"] = "gelu") -> None:
+                 activation: Literal["gelu", "relu", "maxmin"] = "gelu",
+                 pooling: Literal["backbone", "flatten"] = "backbone") -> None:
         if attention_scale <= 0 or token_rms <= 0 or residual_scale <= 0 or logit_scale <= 0:
             raise ValueError(f"lipschitz_transformer: need attention_scale > 0, residual_scale > 0, token_rms > 0 and "
                              f"logit_scale > 0; got {attention_scale}, {residual_scale}, {token_rms}, {logit_scale}")
@@ -103,7 +107,9 @@ class LipschitzTransformer(Stabilizer):
         if activation not in ACTIVATIONS:
             raise ValueError(f"lipschitz_transformer: activation must be one of {list(ACTIVATIONS)}, "
                              f"got {activation!r}")
-        self.logit_scale, self.attention, self.activation = logit_scale, attention, activation
+        if pooling not in ("backbone", "flatten"):
+            raise ValueError(f"lipschitz_transformer: pooling must be 'backbone' or 'flatten', got {pooling!r}")
+        self.logit_scale, self.attention, self.activation, self.pooling = logit_scale, attention, activation, pooling
 
     def prepare(self, network: nn.Module) -> None:
         backbone = network.backbone if hasattr(network, "backbone") else network
@@ -123,6 +129,8 @@ class LipschitzTransformer(Stabilizer):
         except ValueError:  # an overlapping conv stem (CSwin): it stays a convolution, and unconstrained
             pass
         split_qkv(backbone)
+        if self.pooling == "flatten":
+            self._use_flatten_head(backbone)
         if not self.biases:
             remove_biases(network)
         self._initialise(backbone)
@@ -145,6 +153,16 @@ class LipschitzTransformer(Stabilizer):
                 raise ValueError(f"lipschitz_transformer: attention {site.name!r}: {err}") from None
         for name, module in replacements:
             replace_submodule(backbone, name, module)
+
+    @staticmethod
+    def _use_flatten_head(backbone: nn.Module) -> None:
+        if not isinstance(backbone, VisionTransformer):
+            raise ValueError(f"lipschitz_transformer: pooling: flatten is implemented for the ViT backbone, not "
+                             f"{type(backbone).__name__}")
+        tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+        head = backbone.head
+        backbone.global_pool = ""  # timm's pool() then passes the (B, N, D) tokens through
+        backbone.head = FlattenLinear(tokens * head.in_features, head.out_features, bias=head.bias is not None)
 
     def _use_token_mixing(self, backbone: nn.Module) -> None:
         tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
