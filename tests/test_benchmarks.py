@@ -57,6 +57,13 @@ def test_measurement_cost_relates_every_measurement_to_a_training_step(tmp_path)
             "attention diagnostics (16 points)"} <= set(rows)
 
 
+def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path):
+    text = run_benchmark("loop_overhead.py", tmp_path / "loop.md")
+    rows = {row[0]: row for row in table_rows(text)}
+    assert rows["hand-written loop (AdamW)"][3] == "1.00"
+    assert float(rows["stability fit (default callbacks)"][2]) > 0 and "target ≥ 90%" in text
+
+
 def test_estimator_accuracy_power_iteration_never_exceeds_the_exact_norm(tmp_path):
     text = run_benchmark("estimator_accuracy.py", tmp_path / "accuracy.md")
     power, specformer = text.split("## Specformer")
