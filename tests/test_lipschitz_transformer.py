@@ -425,7 +425,7 @@ def test_margin_loss_without_the_bounds_gradient_moves_the_margins_alone():
 @pytest.mark.parametrize("size", [0.0, 1e-30])
 def test_the_differentiable_bound_has_finite_gradients_at_collapsed_weights(attention, size):
     """Margin training can drive every weight to 0 (a constant classifier); the bound's gradient must stay
-    finite there (√(Σx²) has an infinite one at 0: the run of results/certified_transformers turned to NaN)."""
+    finite there (√(Σx²) has an infinite one at 0: the run of results/certificate_price turned to NaN)."""
     from stability.lipschitz.transformer_bounds import bound_matrices, pixel_bound
     network = lipschitz_transformer(attention_scale=4.0, attention=attention).network
     with torch.no_grad():
