@@ -64,6 +64,15 @@ def test_bytes_saved_for_backward_against_the_plain_step(stabilizer):
     assert ratio <= SAVED_RATIO[stabilizer], ratio
 
 
+def test_qk_norm_saves_no_more_than_timms_own_qk_norm(monkeypatch):
+    """The issue's other measure for qk_norm: within 5% of timm's ``qk_norm=True`` (a LayerNorm on q and k, then
+    SDPA) — ours saves no more than it does (0.996× here)."""
+    ours = saved_for_backward(step_of("qk_norm"))
+    monkeypatch.setitem(globals(), "VIT", dict(VIT, qk_norm=True))
+    timms = saved_for_backward(step_of("none"))
+    assert ours <= 1.0 * timms, ours / timms
+
+
 def test_qk_norm_runs_its_norms_in_bf16_under_autocast():
     """No float32 copy of q and k: the norm kernel takes them in bf16 (its statistics accumulate in float32)."""
     ops = dispatched(step_of("qk_norm"))
