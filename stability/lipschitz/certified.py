@@ -32,7 +32,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..models import AttentionSite, ConvexResidualBlock, KernelAttention, PatchLinear
+from ..models import AttentionSite, ConvexResidualBlock, KernelAttention, PatchLinear, vit_tokens
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
 from ..nn.lipschitz_blocks import activation_lipschitz as known_activation_lipschitz
@@ -145,7 +145,7 @@ def _scaled_head(network: nn.Module, head: nn.Linear) -> torch.Tensor:
 def vit_bound(network: nn.Module) -> Bound:
     backbone, embed = _vit(network)
     bound = 1.0 / float(network.std.min()) * sigma(embed) * norm_lipschitz(backbone.patch_embed.norm)
-    tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+    tokens = vit_tokens(backbone)
     for block in backbone.blocks:
         for attr, norm, branch, layer_scale in (("drop_path1", block.norm1, block.attn, block.ls1),
                                                 ("drop_path2", block.norm2, block.mlp, block.ls2)):

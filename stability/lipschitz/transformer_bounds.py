@@ -47,7 +47,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..models import AttentionSite, ConvexResidualBlock, PatchLinear
+from ..models import AttentionSite, ConvexResidualBlock, PatchLinear, vit_tokens
 from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound, unit_divisor
 from ..nn.lipschitz_blocks import LipschitzDotKernel, activation_lipschitz
 from ..nn.token_mixing import TokenMixing
@@ -177,7 +177,7 @@ def pixel_bound(network: nn.Module, differentiable: bool = False,
         sigmas = {name: exact_sigma(m if differentiable else m.detach())
                   for name, m in bound_matrices(network).items()}
     dtype = sigmas["head"].dtype
-    tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+    tokens = vit_tokens(backbone)
     r = _token_size(backbone, sigmas["embed"], embed, _largest_patch(network, backbone, dtype), differentiable,
                     lambda t: t.norm(dim=-1))
     bound = sigmas["embed"] / network.std.to(dtype).min()

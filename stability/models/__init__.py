@@ -33,6 +33,7 @@ from .view import (
     patch_embed,
     residual_sites,
     supports_query_key_capture,
+    vit_tokens,
 )
 
 __all__ = [
@@ -43,5 +44,5 @@ __all__ = [
     "linear_patch_embedding", "linear_role", "norm_sites", "observe_attention_logits", "patch_embed",
     "remove_biases", "replace_activations", "replace_attention_kernel", "replace_attention_kernels",
     "replace_submodule", "residual_sites", "split_qkv", "supports_query_key_capture", "use_convex_residuals",
-    "without_dropout",
+    "vit_tokens", "without_dropout",
 ]

@@ -146,6 +146,11 @@ def patch_embed(backbone: nn.Module) -> nn.Module:
     return backbone.patch_embed
 
 
+def vit_tokens(backbone: nn.Module) -> int:
+    """N, the tokens a ViT's blocks see: its patches and its prefix (class, register) tokens."""
+    return backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+
+
 @contextlib.contextmanager
 def explicit_attention(backbone: nn.Module) -> Iterator[None]:
     """Switch every attention module to its explicit (non-fused) path inside the block.

@@ -51,6 +51,7 @@ from ..models import (
     replace_submodule,
     split_qkv,
     use_convex_residuals,
+    vit_tokens,
 )
 from ..nn.constraints import orthogonal_rms_
 from ..nn.l2_attention import L2MultiHeadAttention
@@ -159,13 +160,13 @@ class LipschitzTransformer(Stabilizer):
         if not isinstance(backbone, VisionTransformer):
             raise ValueError(f"lipschitz_transformer: pooling: flatten is implemented for the ViT backbone, not "
                              f"{type(backbone).__name__}")
-        tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+        tokens = vit_tokens(backbone)
         head = backbone.head
         backbone.global_pool = ""  # timm's pool() then passes the (B, N, D) tokens through
         backbone.head = FlattenLinear(tokens * head.in_features, head.out_features, bias=head.bias is not None)
 
     def _use_token_mixing(self, backbone: nn.Module) -> None:
-        tokens = backbone.patch_embed.num_patches + backbone.num_prefix_tokens
+        tokens = vit_tokens(backbone)
         for site in self._vit_sites(backbone):
             if getattr(site.module, "kernel", None) is not None:
                 raise ValueError(f"lipschitz_transformer: attention {site.name!r} computes its heads with "
