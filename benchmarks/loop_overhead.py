@@ -92,7 +92,7 @@ def time_hand_written(cli: StabilityCLI, warmup: int, steps: int, device: torch.
     data.setup("fit")
     loader = data.train_dataloader()
     bf16 = precision.startswith("bf16")
-    seconds, started, step = 0.0, 0.0, 0
+    started, step = 0.0, 0
     while step < warmup + steps:
         for images, labels in loader:
             if step == warmup:
@@ -111,8 +111,7 @@ def time_hand_written(cli: StabilityCLI, warmup: int, steps: int, device: torch.
             step += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - started
-    return seconds
+    return time.perf_counter() - started
 
 
 def main() -> None:
