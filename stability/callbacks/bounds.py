@@ -4,15 +4,20 @@ from __future__ import annotations
 from torch import nn
 
 from ..lipschitz.certified import Bound, certified_bound
+from ..lipschitz.conv_bounds import is_lipconvnet
 from .precision import float64_copy
 
 
 def certified_bound_of(stabilizers, network: nn.Module) -> tuple[Bound | None, str]:
-    """(the smallest certified bound any selected stabilizer gives, "") or (None, why there is none)."""
+    """(the smallest certified bound the architecture or any selected stabilizer gives, "") or (None, why there is
+    none). An architecture that is Lipschitz by construction (the convolutional anchor) certifies without a
+    stabilizer."""
     bounds = [b for s in stabilizers if (b := Bound.of(s.lipschitz_bound(network))) is not None]
+    own, reason = certified_bound(network)
+    if own is not None and is_lipconvnet(network):
+        bounds.append(own)
     if bounds:
         return min(bounds, key=lambda b: b.value), ""
-    _, reason = certified_bound(network)
     return None, reason or "no selected stabilizer certifies a bound"
 
 

@@ -15,7 +15,8 @@ Implemented for the ViT backbone (timm ``VisionTransformer``) when every factor 
 * pooling (class token or mean) is 1-Lipschitz in the Frobenius norm over tokens.
 
 For Newhouse et al.'s Lipschitz transformer (``lipschitz_transformer``) the bound is composed on the
-image domain [0, 1]ⁿ: :mod:`stability.lipschitz.transformer_bounds`.
+image domain [0, 1]ⁿ: :mod:`stability.lipschitz.transformer_bounds`; for the convolutional anchor
+(``--model.backbone lipcnn``, AOL layers) in :mod:`stability.lipschitz.conv_bounds`.
 
 Each bound comes as a :class:`Bound`: its value, a label saying which bound it is, the domain it
 holds on, and — where the logits are a final linear layer — the bound of the features entering it
@@ -170,10 +171,23 @@ def lipschitz_transformer_bound(network: nn.Module) -> Bound:
                  _scaled_head(network, backbone.head))
 
 
+def lipconvnet_bound(network: nn.Module) -> Bound:
+    """The convolutional anchor's bound: AOL layers, each bounded from its weights in float64 (conv_bounds)."""
+    from .conv_bounds import features_bound, head_norm, scaled_head
+
+    features = float(features_bound(network))
+    return Bound(features * float(head_norm(network)), "AOL composition (Schur bound per layer)", "all inputs",
+                 features, scaled_head(network))
+
+
 def certified_bound(network: nn.Module) -> tuple[Bound | None, str]:
-    """(bound, "") or (None, reason)."""
+    """(bound, "") or (None, reason): the one place that picks the bound of an architecture family."""
+    from .conv_bounds import is_lipconvnet
+
     if getattr(network, "logit_cap", None) is not None:
         return None, "the final logits are soft-capped (softcap): no certificate is composed through the cap"
+    if is_lipconvnet(network):
+        return lipconvnet_bound(network), ""
     blocks = getattr(network.backbone, "blocks", None)
     convex = blocks is not None and len(blocks) and isinstance(blocks[0], ConvexResidualBlock)
     try:

@@ -1,7 +1,8 @@
 """Backbone registry: a name and a size preset pick a model; keyword options override it.
 
 ``micro`` presets are sized for CPU runs on small images (the default, digits); ``tiny`` and
-``small`` follow the papers (ViT-Ti/S, Swin-T/S, CSWin-T/S). Any preset value can be
+``small`` follow the papers (ViT-Ti/S, Swin-T/S, CSWin-T/S). ``lipcnn`` is not a transformer: the 1-Lipschitz
+convolutional anchor of the certified-training studies (``4c3f``: GloRo's network). Any preset value can be
 overridden, e.g. ``build_backbone("swin", "micro", img_size=32, window_size=4)``.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from .cswin import CSWinTransformer
+from .lipconvnet import LipConvNet
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "vit": {
@@ -25,6 +27,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "micro": dict(patch_size=2, embed_dim=32, depths=(2, 2), num_heads=(2, 4), window_size=4, mlp_ratio=2.0),
         "tiny": dict(patch_size=4, embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7),
         "small": dict(patch_size=4, embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), window_size=7),
+    },
+    "lipcnn": {  # the convolutional anchor (not a transformer): 1-Lipschitz AOL layers, MaxMin, GloRo's shapes
+        "micro": dict(convs=((8, 3, 1), (8, 4, 2)), dense=(32,)),
+        "4c3f": dict(convs=((32, 3, 1), (32, 4, 2), (64, 3, 1), (64, 4, 2)), dense=(512, 512)),
     },
     "cswin": {
         "micro": dict(patch_size=2, embed_dim=32, depths=(1, 2, 1), num_heads=(2, 4, 8),
@@ -61,7 +67,12 @@ def _cswin(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn
     return CSWinTransformer(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
 
 
-BUILDERS: dict[str, Callable[..., nn.Module]] = {"vit": _vit, "swin": _swin, "cswin": _cswin}
+def _lipcnn(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.Module:
+    return LipConvNet(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
+
+
+BUILDERS: dict[str, Callable[..., nn.Module]] = {"vit": _vit, "swin": _swin, "cswin": _cswin, "lipcnn": _lipcnn}
+TRANSFORMERS = ("vit", "swin", "cswin")  # the backbones stabilizers that change attention or blocks act on
 
 
 def build_backbone(name: str, size: str = "micro", *, img_size: int, in_chans: int, num_classes: int,

@@ -1,0 +1,138 @@
+"""The convolutional anchor: AOL layers are 1-Lipschitz by construction and their float64 Schur bound is never below
+the exact operator norm; the network's certified bound is never below its exact Jacobian norm, per class pair too;
+it certifies through the same float64 path as the transformers; bad shapes are refused by name."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stability.callbacks.bounds import exact_certificate
+from stability.classifier import ImageClassifier
+from stability.lipschitz.certified import certified_bound
+from stability.models import Network, build_backbone
+from stability.nn.aol import AOLConv2d, AOLLinear, ChannelMaxMin, StridedAOLConv, aol_weight, isometric_init_
+from stability.robustness import certified_radii
+
+
+def operator_norm(f, shape) -> float:
+    """σ₁ of a linear map, exactly: the 2-norm of its Jacobian matrix (float64)."""
+    x = torch.zeros(1, *shape, dtype=torch.float64)
+    jacobian = torch.func.jacrev(f)(x)
+    return float(torch.linalg.matrix_norm(jacobian.reshape(-1, x.numel()), ord=2))
+
+
+def randomised(layer, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+    return layer.double()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_aol_layers_are_one_lipschitz_and_their_schur_bound_is_above_the_exact_norm(seed):
+    conv = randomised(AOLConv2d(3, 4, 3), seed)
+    linear = randomised(AOLLinear(6, 5), seed)
+    strided = StridedAOLConv(3, 4, 4)
+    randomised(strided.conv, seed)
+    cases = [(conv, lambda x: F.conv2d(F.pad(x, conv.pads), conv.effective_weight()), (3, 7, 7)),
+             (linear, lambda x: x @ linear.effective_weight().T, (6,)),
+             (strided, lambda x: strided.conv.forward(F.pixel_unshuffle(x, 2)) - strided.conv.bias[:, None, None],
+              (3, 6, 6))]
+    for layer, f, shape in cases:
+        exact = operator_norm(f, shape)
+        bound = float(layer.lipschitz())
+        assert exact <= 1 + 1e-12 and exact <= bound * (1 + 1e-12), (type(layer).__name__, exact, bound)
+        assert bound == pytest.approx(1.0, abs=1e-12)
+
+
+def test_without_the_rescaling_the_same_kernel_is_not_one_lipschitz():
+    """The planted error: AOL's d skipped. The check above would catch it (the exact norm exceeds 1)."""
+    conv = randomised(AOLConv2d(3, 4, 3))
+    raw = operator_norm(lambda x: F.conv2d(F.pad(x, conv.pads), conv.weight), (3, 7, 7))
+    assert raw > 1.5
+
+
+def test_the_isometric_initialisation_keeps_every_singular_value_at_one():
+    conv, linear = AOLConv2d(3, 8, 3).double(), AOLLinear(4, 6).double()
+    for layer in (conv, linear):
+        isometric_init_(layer)
+    for f, shape in ((lambda x: F.conv2d(F.pad(x, conv.pads), conv.effective_weight()), (3, 5, 5)),
+                     (lambda x: x @ linear.effective_weight().T, (4,))):
+        x = torch.zeros(1, *shape, dtype=torch.float64)
+        singular = torch.linalg.svdvals(torch.func.jacrev(f)(x).reshape(-1, x.numel()))
+        torch.testing.assert_close(singular, torch.ones_like(singular))
+    torch.testing.assert_close(aol_weight(linear.weight), linear.weight)  # d = 1: W = P
+
+
+def test_maxmin_over_channels_permutes_each_point():
+    x = torch.randn(2, 6, 3, 3)
+    y = ChannelMaxMin()(x)
+    torch.testing.assert_close(y.sort(dim=1).values, x.sort(dim=1).values)
+    with pytest.raises(ValueError, match="even number"):
+        ChannelMaxMin()(torch.randn(1, 3, 2, 2))
+
+
+def random_network(seed=0, head="linear"):
+    torch.manual_seed(seed)
+    backbone = build_backbone("lipcnn", "micro", img_size=8, in_chans=1, num_classes=10, head=head)
+    net = Network(backbone, [0.3], [0.4]).double()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return net
+
+
+@pytest.mark.parametrize("head", ["linear", "lln", "aol"])
+def test_the_certified_bound_is_above_the_exact_jacobian_norm_whole_and_per_pair(head):
+    net = random_network(head=head)
+    bound, reason = certified_bound(net)
+    assert bound is not None, reason
+    w = bound.head_weight.double()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.rand(1, 1, 8, 8, generator=gen, dtype=torch.float64)
+        jacobian = torch.func.jacrev(net)(x).reshape(10, -1)
+        assert float(torch.linalg.matrix_norm(jacobian, ord=2)) <= bound.value
+        features = torch.func.jacrev(lambda z: net.backbone.forward_features((z - net.mean) / net.std))(x)
+        assert float(torch.linalg.matrix_norm(features.reshape(features.shape[1], -1), ord=2)) <= bound.features
+        for i in range(10):
+            for j in range(i + 1, 10):
+                pair = float(torch.linalg.vector_norm(jacobian[i] - jacobian[j]))
+                assert pair <= bound.features * float(torch.linalg.vector_norm(w[i] - w[j])) * (1 + 1e-12)
+
+
+def test_the_anchor_certifies_through_the_float64_path_without_a_stabilizer():
+    """``--stabilizer none`` on ``lipcnn``: the monitors get a float64 copy and its bound; the radii they certify
+    hold against the points' own perturbations (a radius is never beaten by a move inside it)."""
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone="lipcnn")
+    bound, reason, exact = exact_certificate(module.stabilizers, module.network)
+    assert bound is not None and exact is not None, reason
+    assert next(exact.parameters()).dtype == torch.float64 and "AOL" in bound.label
+    gen = torch.Generator().manual_seed(0)
+    images = torch.rand(16, 1, 8, 8, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        labels = exact(images).argmax(-1)
+        radii = certified_radii(exact(images), labels, bound)
+        for _ in range(20):
+            step = torch.randn(images.shape, generator=gen, dtype=torch.float64)
+            moved = images + 0.999 * radii.view(-1, 1, 1, 1) * step / step.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+            assert (exact(moved).argmax(-1) == labels).all()
+
+
+def test_the_4c3f_preset_has_gloros_shapes():
+    backbone = build_backbone("lipcnn", "4c3f", img_size=28, in_chans=1, num_classes=10)
+    shapes = [tuple(m.weight.shape) for m in backbone.modules() if isinstance(m, (AOLConv2d, AOLLinear))]
+    # 3×3 convs as they are; the 4×4 stride-2 ones as 2×2 convs on 2×2-blocked inputs (4× the channels)
+    assert shapes == [(32, 1, 3, 3), (32, 128, 2, 2), (64, 32, 3, 3), (64, 256, 2, 2), (512, 3136), (512, 512)]
+    assert backbone(torch.rand(2, 1, 28, 28)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("options, message", [({"head": "softmax"}, "head must be one of"),
+                                              ({"convs": [[7, 3, 1]]}, "even number of channels"),
+                                              ({"convs": [[8, 3, 3]]}, "stride must be 1 or 2"),
+                                              ({"convs": [[8, 3, 2]]}, "needs an even kernel"),
+                                              ({"convs": [[8, 4, 1]]}, "needs an odd kernel")])
+def test_bad_shapes_are_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_backbone("lipcnn", "micro", img_size=8, in_chans=1, num_classes=10, **options)
