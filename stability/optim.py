@@ -11,7 +11,7 @@ from torch import nn
 LR_SHAPE_FACTOR = "lr_shape_factor"  # a parameter group's lr over its nominal lr (Muon's √(fan_out/fan_in) correction)
 
 OptimizerName = Literal["adamw", "adam", "sgd"]
-SchedulerName = Literal["cosine", "linear", "constant"]
+SchedulerName = Literal["cosine", "linear", "exponential", "constant"]
 
 
 def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -44,14 +44,24 @@ def make_optimizer(groups: list[dict], name: OptimizerName, lr: float, momentum:
     raise ValueError(f"unknown optimizer {name!r}; choose one of adamw, adam, sgd")
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: SchedulerName, min_ratio: float) -> float:
-    """Multiplier of the base learning rate at ``step``: linear warmup from 0 over
-    ``warmup_steps`` (none when 0), then constant, or cosine or linear decay to ``min_ratio`` at ``total_steps``."""
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: SchedulerName, min_ratio: float,
+              decay_start: float = 0.0) -> float:
+    """Multiplier of the base learning rate at ``step``: linear warmup from 0 over ``warmup_steps`` (none when 0), then
+    constant, or a cosine, linear or exponential (geometric) decay to ``min_ratio`` at ``total_steps``, which begins
+    after the warmup and after the fraction ``decay_start`` of training (GloRo's ``decay_after_half_to_…``: exponential
+    from half of training)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    begin = max(warmup_steps, round(decay_start * total_steps))
+    if step < begin:
+        return 1.0
+    progress = min(1.0, (step - begin) / max(1, total_steps - begin))
     if schedule == "linear":
         return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+    if schedule == "exponential":
+        if min_ratio <= 0:
+            raise ValueError(f"an exponential decay needs min_lr_ratio > 0, got {min_ratio}")
+        return min_ratio ** progress
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

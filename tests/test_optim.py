@@ -33,3 +33,13 @@ def test_weight_decay_only_on_matrices():
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         make_optimizer([decay, no_decay], "lion", 1e-3, 0.9, (0.9, 0.999))
+
+
+def test_a_decay_that_starts_later_and_the_exponential_one():
+    """GloRo's ``decay_after_half_to_…``: constant for half of training, then geometric to min_ratio."""
+    factors = [lr_factor(s, 100, 0, "exponential", 1e-3, decay_start=0.5) for s in (0, 49, 50, 75, 100)]
+    assert factors[:3] == [1.0, 1.0, 1.0]
+    assert factors[3] == pytest.approx(1e-3 ** 0.5) and factors[4] == pytest.approx(1e-3)
+    assert lr_factor(75, 100, 0, "cosine", 0.0, decay_start=0.5) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="min_lr_ratio > 0"):
+        lr_factor(60, 100, 0, "exponential", 0.0, decay_start=0.5)

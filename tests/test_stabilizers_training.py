@@ -16,7 +16,10 @@ from stability.stabilizers.muon import constrained_matrices
 
 BACKBONES = {"vit": (8, dict(embed_dim=16, depth=2, num_heads=2)),
              "swin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2))),
-             "cswin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2)))}
+             "cswin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2))),
+             "lipcnn": (8, {})}
+# the convolutional anchor certifies on its own: the losses need no lipschitz_transformer beside them there
+ON_THE_ANCHOR = [name for name, cls in REGISTRY.items() if "lipcnn" in cls.backbones]
 COMPOSITIONS = ["lipsformer,jasmin", "lipschitz_transformer,muon", "lipschitz_transformer,muon,lipschitz_margin"]
 ALL = [",".join([*REGISTRY[name].needs, name]) for name in REGISTRY] + COMPOSITIONS
 
@@ -49,6 +52,14 @@ def train(stabilizer="none", options=None, backbone="vit", epochs=3, batches=12,
     data = Digits(image_size=size, batch_size=32)
     trainer.fit(module, data)
     return module, recorder.losses, data
+
+
+@pytest.mark.parametrize("stabilizer", ON_THE_ANCHOR)
+def test_every_stabilizer_of_the_anchor_trains_it_and_lowers_its_loss(stabilizer):
+    assert {"gloro", "emma", "lipschitz_margin", "tau_ce", "none"} <= set(ON_THE_ANCHOR)
+    _, losses, _ = train(stabilizer, backbone="lipcnn", lr=1e-2)
+    early, late = early_late(losses)
+    assert all(torch.isfinite(torch.tensor(losses))) and late < early, (stabilizer, early, late)
 
 
 def early_late(losses, window=6):

@@ -69,12 +69,20 @@ class ForwardStep:
     attention_probs: list[torch.Tensor] = field(default_factory=list)  # each (B', H, N, N)
     queries_keys: list[tuple] = field(default_factory=list)  # each (q, k, scale), q and k (B, H, N, d)
     global_step: int = 0
+    total_steps: int = 0  # the run's optimizer steps (0: unknown, outside a trainer)
+
+    @property
+    def progress(self) -> float | None:
+        """The fraction of training done before this step (None where the run's length is unknown)."""
+        return self.global_step / self.total_steps if self.total_steps > 0 else None
 
     def soft_targets(self) -> torch.Tensor:
-        """The targets as (B, num_classes) label distributions (class indices become one-hot), in float32."""
+        """The targets as (B, num_classes) label distributions (class indices become one-hot), in the logits'
+        accumulation dtype (float32, or float64 for a float64 network)."""
+        dtype = torch.promote_types(self.logits.dtype, torch.float32)
         if self.targets.ndim == 2:
-            return self.targets.float()
-        return nn.functional.one_hot(self.targets, self.logits.shape[-1]).float()
+            return self.targets.to(dtype)
+        return nn.functional.one_hot(self.targets, self.logits.shape[-1]).to(dtype)
 
 
 class Stabilizer:

@@ -11,3 +11,4 @@ class NoStabilizer(Stabilizer):
     name = "none"
     summary = "the plain backbone and optimizer"
     source = ""
+    backbones = ("vit", "swin", "cswin", "lipcnn")

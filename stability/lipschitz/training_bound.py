@@ -1,0 +1,109 @@
+"""The model's Lipschitz bound as a certified-training loss reads it at every step
+(:class:`~stability.certified_training.MarginBound`: the bound of pixels → logits, and, where the logits are a
+linear head, the bound of its input and its weight for the per-pair constants).
+
+* **Lipschitz transformer** (ViT): the pixel bound of :mod:`.transformer_bounds` composed from σ₁ estimates of
+  every matrix by a persistent block power iteration (:class:`~stability.nn.spectral.SubspaceIteration`, one step
+  per training step, as Tsuzuku et al. do), on bases kept as buffers of the network, in float32 with autocast off;
+  differentiable through the estimates (σ̂ = uᵀWv, u and v held constant) unless ``differentiable`` is off. The
+  estimates approach σ₁ from below, so the training bound is at most the certified one; certification (at test)
+  always uses the exact bound.
+* **The convolutional anchor** (``lipcnn``): every hidden layer is 1-Lipschitz by construction (AOL), so the
+  features' bound is 1/min σ_pixel, a constant; the head's weight is the trained one (with its gradient), its σ₁
+  estimated on the device (:func:`~stability.nn.spectral.top_singular_value`).
+* **LipsFormer** (ViT): the certified bound recomputed exactly, constant for the step (float64 and a host sync
+  per step: that combination is not GPU-tuned).
+
+No value is read back to the host (but LipsFormer's), and nothing is made off the network's device.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..certified_training.losses import MarginBound
+from ..models.lipconvnet import head_weight
+from ..nn.precision import float32_math
+from ..nn.spectral import SubspaceIteration, top_singular_value
+from .certified import certified_bound
+from .conv_bounds import is_lipconvnet
+from .transformer_bounds import NotALipschitzTransformer, bound_matrices, pixel_bound
+
+
+class TrainingBound:
+    """Args:
+        owner: the stabilizer's name; the power iteration's bases are the network's buffers ``<owner>_<i>_basis``.
+        iterations: power-iteration steps per training step (Lipschitz transformer).
+        differentiable: let the loss's gradient flow into the bound (it then also pulls the bound down).
+    """
+
+    def __init__(self, owner: str, iterations: int = 1, differentiable: bool = True) -> None:
+        if iterations < 1:
+            raise ValueError(f"{owner}: iterations must be >= 1, got {iterations}")
+        self.owner, self.iterations, self.differentiable = owner, iterations, differentiable
+        self.source = ""
+        self._names: list[str] = []
+        self._power: SubspaceIteration | None = None
+        self._kind = ""
+
+    def prepare(self, network: nn.Module) -> None:
+        """Pick the computation for this network (after every architecture change); a ValueError where it has no
+        certified bound."""
+        bound, reason = certified_bound(network)
+        if bound is None:
+            raise ValueError(f"{self.owner} needs a model with a certified Lipschitz bound ({reason}); use it with "
+                             f"lipschitz_transformer (or lipsformer) on ViT, or with --model.backbone lipcnn")
+        if is_lipconvnet(network):
+            self._kind, self.source = "aol", "1 per hidden layer by construction (AOL), the trained head"
+            return
+        try:
+            matrices = bound_matrices(network)
+        except NotALipschitzTransformer:
+            self._kind, self.source = "exact", "certified bound, exact, constant per step (LipsFormer)"
+            return
+        self._kind = "power"
+        self.source = ("power-iteration σ₁ estimates, " + ("differentiable" if self.differentiable else
+                       "constant per step") + " (Lipschitz transformer)")
+        self._names = list(matrices)
+        self._power = SubspaceIteration([(network, f"{self.owner}_{i}") for i in range(len(self._names))],
+                                        [tuple(m.shape) for m in matrices.values()])
+        self._power.step([m.detach() for m in matrices.values()], iterations=30)  # warm start
+
+    def estimated_sigmas(self, network: nn.Module) -> dict[str, torch.Tensor]:
+        """σ̂ = uᵀWv of every matrix of the bound after the step's power iteration, float32, differentiable in W."""
+        matrices = bound_matrices(network)
+        weights = [matrices[name] for name in self._names]
+        sigmas: dict[str, torch.Tensor] = {}
+        for group in self._power.step(weights, self.iterations):
+            stacked = torch.stack([weights[i] for i in group.indices]).to(group.weight.dtype)  # with the graph
+            values = torch.einsum("gm,gmn,gn->g", group.u, stacked, group.v)
+            sigmas.update({self._names[i]: value for i, value in zip(group.indices, values.unbind(0))})
+        return sigmas
+
+    def __call__(self, network: nn.Module) -> MarginBound:
+        if not self._kind:
+            raise RuntimeError(f"{self.owner}: TrainingBound.prepare(network) was not called")
+        scale = abs(network.logit_scale)
+        if self._kind == "aol":
+            features = (1.0 / network.std.min()).to(torch.promote_types(network.std.dtype, torch.float32))
+            head = head_weight(network.backbone.head) * scale
+            return self._detached(MarginBound(features * top_singular_value(head), features, head))
+        if self._kind == "power":
+            with float32_math(network.mean.device.type):
+                total, features = pixel_bound(network, differentiable=True, sigmas=self.estimated_sigmas(network))
+            return self._detached(MarginBound(total, features, network.backbone.head.weight * scale))
+        bound, reason = certified_bound(network)
+        if bound is None:
+            raise RuntimeError(f"{self.owner}: the model lost its certified bound ({reason})")
+        like = network.mean
+        return MarginBound(like.new_tensor(bound.value),
+                           None if bound.features is None else like.new_tensor(bound.features),
+                           None if bound.head_weight is None else bound.head_weight.to(like))
+
+    def _detached(self, bound: MarginBound) -> MarginBound:
+        if self.differentiable:
+            return bound
+        return MarginBound(*(None if t is None else t.detach() for t in (bound.total, bound.features, bound.head)))
+
+
+__all__ = ["TrainingBound"]
