@@ -15,9 +15,11 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from . import tags
+from .metrics import TopClassShare, warn_constant_classifier
 from .models import Network, build_backbone, capture_attention, capture_queries_keys
+from .nn.precision import at_least_float32
 from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, nominal_lr, param_groups
-from .stabilizers import ForwardStep, build_stabilizers, stabilizer_names
+from .stabilizers import ForwardStep, Stabilizer, build_stabilizers, stabilizer_names
 
 CROSS_ENTROPY = "cross_entropy"  # logged beside a replaced task loss, not optimised
 
@@ -35,7 +37,8 @@ class ImageClassifier(L.LightningModule):
             them from the data module).
         optimizer, lr, weight_decay, momentum, betas: the default optimizer (weight decay
             on weights of ndim ≥ 2 only).
-        scheduler: ``cosine`` or ``linear`` (decay to ``min_lr_ratio`` · lr) or ``constant``, per step.
+        scheduler: ``cosine``, ``linear`` or ``exponential`` (decay to ``min_lr_ratio`` · lr, from the fraction
+            ``decay_start`` of training on) or ``constant``, per step.
         warmup_epochs: linear warmup length in epochs (fractions allowed); 0 turns it off.
         label_smoothing: of the cross-entropy task loss.
         compile: train the network compiled by ``torch.compile`` (Lightning's advice: the network, not the module
@@ -64,6 +67,7 @@ class ImageClassifier(L.LightningModule):
         scheduler: SchedulerName = "cosine",
         warmup_epochs: float = 0.0,
         min_lr_ratio: float = 0.0,
+        decay_start: float = 0.0,
         label_smoothing: float = 0.0,
         compile: bool = False,
     ) -> None:
@@ -72,10 +76,19 @@ class ImageClassifier(L.LightningModule):
             raise ValueError(f"lr must be positive, got {lr}")
         if warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}")
+        if not 0 <= decay_start < 1:
+            raise ValueError(f"decay_start is the fraction of training before the decay, in [0, 1); got {decay_start}")
+        if scheduler == "exponential" and min_lr_ratio <= 0:
+            raise ValueError(f"scheduler exponential decays geometrically to min_lr_ratio·lr: it needs min_lr_ratio "
+                             f"> 0, got {min_lr_ratio}")
         mean, std, betas = list(mean), list(std), list(betas)  # plain YAML in hparams.yaml
         self.save_hyperparameters(logger=False)
         self.stabilizer_names = stabilizer_names(stabilizer)
         self.stabilizers = build_stabilizers(self.stabilizer_names, stabilizer_options)
+        for stab in self.stabilizers:
+            if backbone not in stab.backbones:
+                raise ValueError(f"stabilizer {stab.name!r} applies to the backbones {list(stab.backbones)}, not "
+                                 f"{backbone!r}")
         net = build_backbone(backbone, size, img_size=image_size, in_chans=in_chans, num_classes=num_classes,
                              **(backbone_options or {}))
         self.network = Network(net, mean, std, image_size)
@@ -95,6 +108,8 @@ class ImageClassifier(L.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()  # exact means over uneven DDP shards
+        self.val_top_class = TopClassShare(num_classes)  # a constant classifier is named, not left unnoticed
+        self._said_collapsed = False
 
     def _training_network(self) -> torch.nn.Module:
         """The compiled network where there is one and no callback observes this step's forward, else the network."""
@@ -127,7 +142,8 @@ class ImageClassifier(L.LightningModule):
         qk_ctx = capture_queries_keys(backbone) if needs_queries_keys else contextlib.nullcontext([])
         with probs_ctx as probs, qk_ctx as queries_keys:
             logits = self._training_network()(images)
-        step = ForwardStep(self.network, images, logits, targets, probs, queries_keys, self.global_step)
+        step = ForwardStep(self.network, images, logits, targets, probs, queries_keys, self.global_step,
+                           self.__dict__.get("_total_steps", 0))
         replaced = [(s.name, loss) for s in self.stabilizers
                     if (loss := s.task_loss(step, self.cross_entropy(targets))) is not None]
         if len(replaced) > 1:
@@ -172,7 +188,7 @@ class ImageClassifier(L.LightningModule):
         """Σ value·count and Σ count per tag, on the device, for the epoch means."""
         sums = self.__dict__.setdefault("_epoch_sums", {})
         for tag, value in values.items():
-            weighted = value.float() * count
+            weighted = at_least_float32(value) * count
             if tag in sums:
                 sums[tag][0].add_(weighted)
                 sums[tag][1] += count
@@ -197,16 +213,34 @@ class ImageClassifier(L.LightningModule):
         every = self.trainer.log_every_n_steps
         return bool(every) and (self.global_step + 1) % every == 0
 
-    def _evaluate(self, batch, stage: str, accuracy: MulticlassAccuracy, loss: MeanMetric) -> None:
+    def _evaluate(self, batch, stage: str, accuracy: MulticlassAccuracy, loss: MeanMetric) -> torch.Tensor:
         images, labels = batch
         logits = self.network(images)
         loss.update(F.cross_entropy(logits, labels), weight=len(labels))
         accuracy.update(logits, labels)
         self.log(tags.stage_metric(stage, "loss"), loss, prog_bar=True)
         self.log(tags.stage_metric(stage, "acc"), accuracy, prog_bar=True)
+        return logits
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_acc, self.val_loss)
+        logits = self._evaluate(batch, "val", self.val_acc, self.val_loss)
+        self.val_top_class.update(logits, batch[1])
+
+    def on_validation_epoch_end(self) -> None:
+        """``val/top_class_share``, and a :class:`~stability.metrics.ConstantClassifierWarning` the first time the
+        network predicts one class for ≥ 95% of the validation points (a loss can shrink every margin into a constant
+        classifier without diverging)."""
+        with self.val_top_class.sync_context():  # every process's counts (summed under DDP), the same verdict
+            share = self.val_top_class.compute()
+            collapsed, what = self.val_top_class.collapsed()
+        self.log(tags.stage_metric("val", "top_class_share"), share)
+        self.val_top_class.reset()
+        if collapsed and not self._said_collapsed and not self.trainer.sanity_checking and self.trainer.is_global_zero:
+            self._said_collapsed = True
+            replacing = [s.name for s in self.stabilizers if type(s).task_loss is not Stabilizer.task_loss]
+            cause = (f"its training objective comes from {', '.join(replacing)}: a radius out of the model's reach "
+                     f"shrinks every margin (lower eps, or ramp it)") if replacing else ""
+            warn_constant_classifier(what, cause)
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_acc, self.test_loss)
@@ -252,11 +286,12 @@ class ImageClassifier(L.LightningModule):
         hp = self.hparams
         optimizer = self.build_optimizer()
         total = int(self.trainer.estimated_stepping_batches)
+        self.__dict__["_total_steps"] = total  # the run's length, for schedules a stabilizer follows (ForwardStep)
         epochs = max(1, self.trainer.max_epochs or 1)
         warmup = round(hp.warmup_epochs * total / epochs)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, partial(lr_factor, total_steps=total, warmup_steps=warmup, schedule=hp.scheduler,
-                               min_ratio=hp.min_lr_ratio))
+                               min_ratio=hp.min_lr_ratio, decay_start=hp.get("decay_start", 0.0)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:

@@ -73,7 +73,7 @@ class LipschitzMonitor(L.Callback):
         with gradients_allowed(), evaluating(network):
             images = images.clone()
             out["local"] = jacobian_norm(network, images, self.iterations, seed=index)
-            if self.exclude_patch_embed:
+            if self.exclude_patch_embed and hasattr(network.backbone, "patch_embed"):  # not the convolutional anchor
                 out["local_noembed"] = jacobian_norm(network, images, self.iterations, exclude_patch_embed=True,
                                                      seed=index)
             if self.lower_bound:
@@ -148,7 +148,10 @@ class LipschitzMonitor(L.Callback):
 
 
 def _weight_norms(network: torch.nn.Module) -> dict[str, float]:
-    linears = {name: m.weight.detach() for name, m in network.named_modules() if isinstance(m, torch.nn.Linear)}
+    """σ₁ and RMS→RMS norm of the weight every Linear multiplies by (the effective one where a layer rescales its
+    parameter: AOL, last-layer normalisation)."""
+    linears = {name: (m.effective_weight() if hasattr(m, "effective_weight") else m.weight).detach()
+               for name, m in network.named_modules() if isinstance(m, torch.nn.Linear)}
     metrics = {}
     for (name, weight), sigma in zip(linears.items(), spectral_norms(list(linears.values())).tolist()):
         metrics[f"{tags.WEIGHTS}/sigma/{name}"] = sigma

@@ -167,6 +167,16 @@ def _top_eigenvector(t: torch.Tensor, squarings: int = 10) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny)
 
 
+def top_singular_value(weight: torch.Tensor, squarings: int = 10) -> torch.Tensor:
+    """σ₁ of a matrix (m, n) estimated from below without leaving the device: √(xᵀGx) for x the top eigenvector of
+    the smaller Gram matrix G by repeated squaring (no eigensolver, no host sync); differentiable in the weight
+    through G with x held constant. For a small matrix, e.g. a classifier head, every training step."""
+    w = weight.to(torch.promote_types(weight.dtype, torch.float32))
+    g = w @ w.mT if w.shape[0] <= w.shape[1] else w.mT @ w
+    x = _top_eigenvector(g.detach()[None], squarings)[0]
+    return (x @ g @ x).clamp_min(0).sqrt()
+
+
 def rms_scale(weight: torch.Tensor) -> float:
     """sqrt(d_in / d_out): multiply σ₁ by it for the RMS→RMS norm."""
     return (weight.shape[-1] / weight.shape[-2]) ** 0.5

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nn.precision import at_least_float32
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
 
@@ -39,6 +40,7 @@ class TauCrossEntropy(Stabilizer):
     summary = ("task loss CE(τ·(z − m·e_y), y)/τ: a temperature (and a margin offset) for the small logits of a "
                "Lipschitz network")
     source = "Béthune et al. 2022; Prach & Lampert 2022"
+    backbones = ("vit", "swin", "cswin", "lipcnn")  # it reads only the logits
 
     def __init__(self, temperature: float = 8.0, offset: float = 0.0) -> None:
         if temperature <= 0 or offset < 0:
@@ -46,5 +48,6 @@ class TauCrossEntropy(Stabilizer):
         self.temperature, self.offset = temperature, offset
 
     def task_loss(self, step: ForwardStep, default) -> torch.Tensor:
-        shifted = step.logits.float() - self.offset * step.soft_targets()
+        logits = at_least_float32(step.logits)
+        shifted = logits - self.offset * step.soft_targets().to(logits.dtype)
         return default(self.temperature * shifted) / self.temperature

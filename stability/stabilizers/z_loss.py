@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from ..nn.precision import at_least_float32
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
 
 def log_z(logits: torch.Tensor) -> torch.Tensor:
-    """log Σ_j exp(z_j) per row, in float32: (B,)."""
-    return torch.logsumexp(logits.float(), dim=-1)
+    """log Σ_j exp(z_j) per row, in float32 at least (float64 stays float64): (B,)."""
+    return torch.logsumexp(at_least_float32(logits), dim=-1)
 
 
 @register_stabilizer
@@ -30,6 +31,7 @@ class ZLoss(Stabilizer):
     name = "z_loss"
     summary = "λ·log²Z of the output logits (λ = 1e-4), so the softmax normaliser stays near 1"
     source = "Chowdhery et al. 2022 (PaLM); Wortsman et al. 2023"
+    backbones = ("vit", "swin", "cswin", "lipcnn")  # it reads only the logits
 
     def __init__(self, lam: float = 1e-4) -> None:
         if lam <= 0:
