@@ -12,6 +12,7 @@ import lightning as L
 import torch
 
 from .. import tags
+from ..nn.precision import at_least_float32
 
 
 @dataclass
@@ -117,7 +118,7 @@ class DivergenceMonitor(L.Callback):
             return
         total = outputs["loss"].detach()
         task = outputs.get("task_loss", total).detach()
-        self._pending.append((self._step, torch.stack([task.float(), total.float()])))
+        self._pending.append((self._step, torch.stack([at_least_float32(task), at_least_float32(total)])))
         if (self._step + 1) % self._every(trainer) == 0:
             self._judge(trainer)
             pl_module.log(tags.LOSS_SPIKES, float(self.detector.spikes), on_step=True, on_epoch=False)

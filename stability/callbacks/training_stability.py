@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from .. import tags
 from ..models import observe_attention_logits, residual_sites
+from ..nn.precision import at_least_float32
 
 
 class TrainingStability(L.Callback):
@@ -58,7 +59,7 @@ class TrainingStability(L.Callback):
         return hook
 
     def _observe(self, layer: str, logits: torch.Tensor) -> None:
-        logits = logits.float()
+        logits = at_least_float32(logits)
         entropy = torch.special.entr(logits.softmax(dim=-1)).sum(dim=-1).mean()
         top = logits.amax()
         if layer in self._attention:
@@ -69,7 +70,7 @@ class TrainingStability(L.Callback):
 
     def _record_log_z(self, module, args, logits) -> None:
         if module.training and self._recording:
-            self._log_z = torch.logsumexp(logits.detach().float(), dim=-1).mean()
+            self._log_z = torch.logsumexp(at_least_float32(logits.detach()), dim=-1).mean()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._recording = self._measuring(trainer)
@@ -122,10 +123,10 @@ class TrainingStability(L.Callback):
 
 
 def _gradient_norms(parameters) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """(parameter, ‖grad‖₂ in float32) for every parameter with a gradient, one fused call per dtype and device."""
+    """(parameter, ‖grad‖₂ in at least float32) for every parameter with a gradient, one fused call per dtype and
+    device."""
     with_grad = [p for p in parameters if p.grad is not None]
     if not with_grad:
         return []
-    norms = torch._foreach_norm([p.grad.detach().float() if p.grad.dtype != torch.float32 else p.grad.detach()
-                                 for p in with_grad])
+    norms = torch._foreach_norm([at_least_float32(p.grad.detach()) for p in with_grad])
     return list(zip(with_grad, norms))

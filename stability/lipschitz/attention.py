@@ -22,6 +22,7 @@ from timm.models.swin_transformer import WindowAttention
 from torch import nn
 
 from ..models import attention_sites, capture_attention
+from ..nn.precision import accumulation_dtype
 from ..nn.softmax_bounds import g_k, softmax_jacobian
 
 MEAN_STATISTICS = ("g1_mean", "softmax_jac_mean", "entropy")
@@ -62,7 +63,7 @@ def head_statistics(p: torch.Tensor, batch: int, sample_rows: int) -> dict[str, 
     rows = p.reshape(batch, -1, heads, n, n).transpose(1, 2).reshape(batch, heads, -1, n)  # (B, H, W·N, N)
     g1 = g_k(rows, 1)  # (B, H, W·N)
     sample = rows[:, :, :sample_rows]
-    exact = torch.linalg.matrix_norm(softmax_jacobian(sample.double()), ord=2).float()  # (B, H, rows)
+    exact = torch.linalg.matrix_norm(softmax_jacobian(sample.double()), ord=2).to(accumulation_dtype(p.dtype))
     entropy = -(rows * rows.clamp_min(1e-12).log()).sum(-1)
     return {"g1_mean": g1.mean(-1), "g1_max": g1.amax(-1), "softmax_jac_mean": exact.mean(-1),
             "softmax_jac_max": exact.amax(-1), "g1_sample_max": g1[..., :sample_rows].amax(-1),
@@ -88,7 +89,7 @@ def theorem3_bound(site, x: torch.Tensor | None, p: torch.Tensor, batch: int) ->
         v_norm = torch.linalg.matrix_norm(w_v, ord=2)
         per_sample = v_norm * (p_norm[:, h] + 2 * x_norm_sq * a_norm * g1_max[:, h])  # (B',)
         bounds.append(per_sample.view(batch, -1).amax(-1))
-    return torch.stack(bounds, dim=-1).float()  # (B, H)
+    return torch.stack(bounds, dim=-1).to(accumulation_dtype(p.dtype))  # (B, H)
 
 
 def pool(per_point: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .precision import accumulation_dtype
+
 
 class ScaledCosineKernel(nn.Module):
     """softmax(τ Q̂K̂ᵀ + B)·V̂·ν/K on per-head tensors (B', h, N, d); τ and ν learnable or fixed."""
@@ -37,9 +39,10 @@ class ScaledCosineKernel(nn.Module):
             self.register_buffer("nu", nu_t)
 
     def normalize(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """scale · x/√(‖x‖² + ε), in x's dtype: ‖x‖² is summed in float32 from x·x (autocast would square x in
-        float32 and keep that copy for the backward), and the scale rides on the (…, 1) factor, not on x."""
-        factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=torch.float32) + self.eps)
+        """scale · x/√(‖x‖² + ε), in x's dtype: ‖x‖² is summed in at least float32 and at least x's dtype from x·x
+        (autocast would square x in float32 and keep that copy for the backward; a float64 network stays float64),
+        and the scale rides on the (…, 1) factor, not on x."""
+        factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=accumulation_dtype(x.dtype)) + self.eps)
         if scale is not None:
             factor = factor * scale
         return x * factor.to(x.dtype)

@@ -31,6 +31,17 @@ def ieee_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to accumulate a tensor of ``dtype`` in: at least float32 *and* at least the tensor's own — bf16 and
+    fp16 sums go to float32, and a float64 network stays float64 (a certificate is only as sound as its forward)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`accumulation_dtype` of its dtype (a no-op for float32 and float64)."""
+    return t.to(accumulation_dtype(t.dtype))
+
+
 @contextlib.contextmanager
 def float32_math(device_type: str) -> Iterator[None]:
     """No autocast on ``device_type`` and IEEE float32 matmuls inside the block (the caller casts its
@@ -47,4 +58,4 @@ def allow_tf32_training() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
-__all__ = ["allow_tf32_training", "float32_math", "ieee_float32"]
+__all__ = ["accumulation_dtype", "allow_tf32_training", "at_least_float32", "float32_math", "ieee_float32"]

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..models import ROLES, linear_layers, linear_role, split_qkv
 from ..nn import constraints
-from ..nn.precision import float32_math
+from ..nn.precision import accumulation_dtype, float32_math
 from ..nn.spectral import SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
 from ..optim import LR_SHAPE_FACTOR, nominal_lr
 from ..optim_combined import CombinedOptimizer
@@ -259,7 +259,8 @@ class MuonConstrained(Stabilizer):
         etas = self._etas()
         largest = self.sigma_max * (1 - self.weight_decay * min(etas))  # the least decay: the largest norm
         if self.measures_update:
-            largest += max_rms_norm([p - b for p, b in zip(self._matrices, self._before)], dtype=torch.float32)
+            largest += max_rms_norm([p - b for p, b in zip(self._matrices, self._before)],
+                                    dtype=accumulation_dtype(self._matrices[0].dtype))
         elif self.optimizer == "muon":
             largest += max(etas) * newton_schulz_bound(self.ns_steps)
         else:
@@ -290,8 +291,8 @@ class MuonConstrained(Stabilizer):
 
     @staticmethod
     def _groups_by_shape(weights: list[torch.Tensor], exact: bool) -> list[TopSingular]:
-        dtype = torch.float64 if exact else torch.float32
-        return [TopSingular(indices, stacked.to(dtype), None, None, None)
+        return [TopSingular(indices, stacked.to(torch.float64 if exact else accumulation_dtype(stacked.dtype)), None,
+                            None, None)
                 for indices, stacked in grouped_by_shape([w.detach() for w in weights])]
 
     def _constrain(self, group: TopSingular, largest: float | None, exact: bool) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..models import norm_sites
+from ..nn.precision import at_least_float32
 from .base import Stabilizer, register_stabilizer
 
 
@@ -35,7 +36,7 @@ class SigmaReparametrization(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         with torch.no_grad():
-            _, s, vh = torch.linalg.svd(weight.detach().flatten(1).float(), full_matrices=False)
+            _, s, vh = torch.linalg.svd(at_least_float32(weight.detach().flatten(1)), full_matrices=False)
         self.register_buffer("u", vh[0].clone())
         self.register_buffer("sigma", s[:1].clone())  # the last estimate of σ₁(W), for reading
         self.gamma = nn.Parameter(s[:1].clone())
