@@ -45,9 +45,11 @@ from stability.nn.softmax_bounds import top_probabilities
 from stability.stabilizers import REGISTRY
 from stability.stabilizers.muon import NS_COEFFICIENTS, newton_schulz_bound
 
-BACKBONES = {"vit": (8, dict(embed_dim=16, depth=2, num_heads=2)),
-             "swin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2))),
-             "cswin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2)))}
+# heads at least 16 wide everywhere: the narrowest FlexAttention compiles on CUDA (softcap's fused path)
+BACKBONES = {"vit": (8, dict(embed_dim=32, depth=2, num_heads=2)),
+             "swin": (16, dict(embed_dim=32, depths=(1, 1), num_heads=(2, 2))),
+             "cswin": (16, dict(embed_dim=32, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2))),
+             "lipcnn": (8, {})}
 EVERY = [",".join([*REGISTRY[name].needs, name]) for name in REGISTRY]
 CASES = [(s, b) for s in EVERY for b in BACKBONES if all(b in REGISTRY[n].backbones for n in s.split(","))]
 
@@ -103,6 +105,16 @@ def test_nothing_is_made_off_the_models_device(stabilizer, backbone):
     with torch.device("meta"):  # anything made without the model's device lands here and collides
         training_step(module, optimizer, images, labels, 1)
         measure_everything(module, images, labels)
+
+
+@pytest.mark.parametrize("backbone", [b for b in BACKBONES if b != "lipcnn"])
+def test_the_gpu_configurations_have_heads_the_flex_kernel_compiles(backbone):
+    """What the GPU tests build must run there: every attention head at least 16 wide (Inductor's FlexAttention
+    refuses narrower q, k, v; the CPU never shows it)."""
+    from stability.nn.flex import MIN_WIDTH
+
+    widths = {site.head_dim for site in attention_sites(build("qk_norm,softcap", backbone).network)}
+    assert widths and min(widths) >= MIN_WIDTH, widths
 
 
 def test_the_meta_check_catches_a_tensor_made_without_a_device():

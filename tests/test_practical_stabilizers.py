@@ -108,13 +108,15 @@ def test_softcap_bounds_the_attention_and_final_logits_by_their_caps(backbone):
 def qk_norm_and_softcap_kernel(device: str = "cpu"):
     """A soft-capped kernel with QK norms of random gains, the kind ``qk_norm,softcap`` installs."""
     torch.manual_seed(0)
-    module = build("vit", "qk_norm,softcap", {"softcap": {"attention": 2.0, "logits": None}})
+    module = ImageClassifier(backbone_options=dict(embed_dim=32, depth=1, num_heads=2),  # heads 16 wide
+                             stabilizer="qk_norm,softcap", stabilizer_options={"softcap": {"attention": 2.0,
+                                                                                          "logits": None}})
     kernel = attention_sites(module.network.backbone)[0].module.kernel.to(device)
     with torch.no_grad():
         for norm in (kernel.q_norm, kernel.k_norm):
             norm.weight.uniform_(2.0, 4.0)  # logits well past the cap
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 2, 17, 8, generator=gen).to(device) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, 17, 16, generator=gen).to(device) for _ in range(3))  # 16 wide: what flex compiles
     return kernel, q, k, v
 
 
@@ -130,13 +132,13 @@ def test_softcapped_flex_attention_computes_the_explicit_kernel_on_the_cpu():
         flex = softcapped_attention(norm_in_dtype(kernel.q_norm, q), norm_in_dtype(kernel.k_norm, k), v, kernel.scale,
                                     kernel.logit_cap, compiled=False)
     torch.testing.assert_close(flex, explicit.detach(), rtol=1e-5, atol=1e-6)
-    assert not kernel.uses_flex(q, None, nn.Dropout(0.0), fused=True)  # on the CPU: explicit (it can train)
+    assert not kernel.uses_flex(q, k, v, None, nn.Dropout(0.0), fused=True)  # on the CPU: explicit (it can train)
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_softcap_runs_on_flex_attention_with_the_explicit_kernels_values_and_gradients():
     kernel, q, k, v = qk_norm_and_softcap_kernel("cuda")
-    assert kernel.uses_flex(q, None, nn.Dropout(0.0), fused=True)
+    assert kernel.uses_flex(q, k, v, None, nn.Dropout(0.0), fused=True)
     outs, grads = [], []
     for fused in (True, False):  # fused: FlexAttention (compiled); not fused: the explicit path
         inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
@@ -147,6 +149,42 @@ def test_on_a_gpu_softcap_runs_on_flex_attention_with_the_explicit_kernels_value
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * float(b.abs().max()))
+
+
+def test_on_cuda_softcap_takes_flex_attention_only_where_its_kernel_compiles(monkeypatch):
+    """The decision that avoids the CUDA-only failure: Inductor's FlexAttention refuses q, k, v narrower than 16, so
+    narrower heads stay on the explicit path; a bias, attention dropout or the unfused path keep it too."""
+    import stability.nn.dot_attention as dot_attention
+
+    monkeypatch.setattr(dot_attention, "flex_trains_on", lambda device: True)  # as on a GPU
+    kernel, q, k, v = qk_norm_and_softcap_kernel()
+    off = nn.Dropout(0.0)
+    assert kernel.uses_flex(q, k, v, None, off, fused=True)
+    narrow = q[..., :8]
+    assert not kernel.uses_flex(narrow, k[..., :8], v[..., :8], None, off, fused=True)
+    assert not kernel.uses_flex(q, k, v[..., :15], None, off, fused=True)
+    assert not kernel.uses_flex(q, k, v, torch.zeros(17, 17), off, fused=True)
+    assert not kernel.uses_flex(q, k, v, None, off, fused=False)
+    kernel.train()
+    assert not kernel.uses_flex(q, k, v, None, nn.Dropout(0.1), fused=True)
+
+
+def test_compiled_flex_attention_compiles_once_across_batch_sizes():
+    """The last batch of an epoch and AutoAttack's shrinking batches change the batch size: one compile serves them
+    all (counted by a compile-counting backend; a static compile counted 4 here)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from stability.nn.flex import softcapped_attention
+
+    counter = CompileCounter()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for batch in (4, 3, 7, 5):
+            q, k, v = (torch.randn(batch, 2, 17, 16, generator=gen) for _ in range(3))
+            out = softcapped_attention(q, k, v, 0.25, 2.0, backend=counter)
+            reference = softcapped_attention(q, k, v, 0.25, 2.0, compiled=False)
+            torch.testing.assert_close(out, reference)
+    assert counter.frame_count == 1, counter.frame_count
 
 
 def test_softcap_is_the_identity_near_zero():

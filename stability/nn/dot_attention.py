@@ -10,8 +10,9 @@
 
 With both off it computes exactly the backbone's own attention. The capped path cannot use the fused SDPA
 kernels (they take no elementwise map of the logits); on CUDA it runs on FlexAttention with the cap as its
-``score_mod`` (:mod:`stability.nn.flex`), fused, where there is no additive bias and no attention dropout (ViT), and
-explicitly elsewhere (the CPU, whose FlexAttention has no backward; Swin's bias and mask).
+``score_mod`` (:mod:`stability.nn.flex`), fused, where there is no additive bias and no attention dropout (ViT) and the
+heads are at least 16 wide, and explicitly elsewhere (the CPU, whose FlexAttention has no backward; Swin's bias and
+mask; narrower heads, which the compiled kernel refuses).
 
 Under autocast the QK norms run in the queries' own (bf16) dtype, their statistics accumulated in float32 by the
 kernel (:func:`norm_in_dtype`): autocast would run LayerNorm in float32, saving a float32 copy of q and k for the
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .flex import flex_trains_on, softcapped_attention
+from .flex import flex_accepts, flex_trains_on, softcapped_attention
 
 
 def norm_in_dtype(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -64,13 +65,16 @@ class DotProductKernel(nn.Module):
             logits = soft_cap(logits, self.logit_cap)
         return logits if bias is None else logits + bias
 
-    def uses_flex(self, q: torch.Tensor, bias: torch.Tensor | None, attn_drop: nn.Dropout, fused: bool) -> bool:
-        """The capped logits go through FlexAttention: fused requested, on CUDA, no bias, no attention dropout."""
+    def uses_flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                  attn_drop: nn.Dropout, fused: bool) -> bool:
+        """The capped logits go through FlexAttention: fused requested, on CUDA, heads at least 16 wide (the
+        narrowest the compiled kernel takes), no bias, no attention dropout."""
         dropout = self.training and attn_drop.p > 0
-        return fused and self.logit_cap is not None and flex_trains_on(q.device) and bias is None and not dropout
+        return (fused and self.logit_cap is not None and flex_trains_on(q.device) and flex_accepts(q, k, v)
+                and bias is None and not dropout)
 
     def forward(self, q, k, v, bias: torch.Tensor | None, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
-        if self.uses_flex(q, bias, attn_drop, fused):
+        if self.uses_flex(q, k, v, bias, attn_drop, fused):
             q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
             return softcapped_attention(q, k, v.to(q.dtype), self.scale, self.logit_cap)
         if fused and self.logit_cap is None:
