@@ -254,9 +254,12 @@ class ImageClassifier(L.LightningModule):
     def build_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer: one a stabilizer supplies (at most one may), else the default."""
         hp = self.hparams
+        trainer = self.__dict__.get("_trainer")  # None outside a trainer (parity, tests)
+        precision = str(trainer.precision) if trainer is not None else None
+
         def default(named_parameters):
             return make_optimizer(param_groups(named_parameters, hp.weight_decay), hp.optimizer, hp.lr,
-                                  hp.momentum, hp.betas)
+                                  hp.momentum, hp.betas, precision)
 
         supplied = [(s.name, opt) for s in self.stabilizers
                     if (opt := s.build_optimizer(self.network, default)) is not None]

@@ -30,11 +30,21 @@ def nominal_lr(group: dict) -> float:
     return group["lr"] / group.get(LR_SHAPE_FACTOR, 1.0)
 
 
+def fused_allowed(params: list[torch.Tensor], precision: str | None = None) -> bool:
+    """Use the fused Adam/AdamW kernels: every parameter a floating CUDA tensor, and not under ``16-mixed``.
+
+    With fp16 mixed precision Lightning's GradScaler does not unscale a fused optimizer's gradients before
+    ``on_before_optimizer_step`` (the fused kernel unscales inside its own step): the gradient norms read there would
+    carry the loss scale (≈ 65536×) and ``gradient_clip_val`` raises. bf16 has no scaler and is unaffected."""
+    return bool(params) and all(p.is_cuda and p.is_floating_point() for p in params) and precision not in (
+        "16-mixed", "16")
+
+
 def make_optimizer(groups: list[dict], name: OptimizerName, lr: float, momentum: float,
-                   betas: tuple[float, float]) -> torch.optim.Optimizer:
+                   betas: tuple[float, float], precision: str | None = None) -> torch.optim.Optimizer:
     # on CUDA, the fused kernels: one launch for all parameters (a hand-written loop's choice; the same update)
     params = [p for g in groups for p in g["params"]]
-    fused = (bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)) or None
+    fused = fused_allowed(params, precision) or None
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
     if name == "adam":

@@ -43,3 +43,23 @@ def test_a_decay_that_starts_later_and_the_exponential_one():
     assert lr_factor(75, 100, 0, "cosine", 0.0, decay_start=0.5) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="min_lr_ratio > 0"):
         lr_factor(60, 100, 0, "exponential", 0.0, decay_start=0.5)
+
+
+def test_fused_adam_is_kept_off_under_fp16_mixed_precision(monkeypatch):
+    """With ``16-mixed`` Lightning does not unscale a fused optimizer's gradients before on_before_optimizer_step: the
+    gradient norms there would carry the loss scale and gradient clipping raises. The decision, as on a GPU."""
+    from types import SimpleNamespace
+
+    import stability.optim as optim
+    from stability.classifier import ImageClassifier
+
+    on_gpu = [SimpleNamespace(is_cuda=True, is_floating_point=lambda: True)]
+    assert optim.fused_allowed(on_gpu, "bf16-mixed") and optim.fused_allowed(on_gpu, "32-true")
+    assert not optim.fused_allowed(on_gpu, "16-mixed") and not optim.fused_allowed(on_gpu, "16")
+    assert not optim.fused_allowed([SimpleNamespace(is_cuda=False, is_floating_point=lambda: True)], None)
+    seen = []
+    monkeypatch.setattr(optim, "fused_allowed", lambda params, precision=None: seen.append(precision) or False)
+    module = ImageClassifier()
+    module.__dict__["_trainer"] = SimpleNamespace(precision="16-mixed")  # the trainer's precision reaches the decision
+    module.build_optimizer()
+    assert seen == ["16-mixed"]

@@ -12,7 +12,9 @@ Implemented for the ViT backbone (timm ``VisionTransformer``) when every factor 
   per-head ‖W_Q‖, ‖W_K‖, ‖W_V‖), heads concatenated (√(Σ L_h²)), times the 1/K head scale
   and ‖W_O‖ — dot-product attention has no global bound;
 * MLP: ‖W_2‖ · Lip(act) · ‖W_1‖ with Lip(GELU) = 1.1289…;
-* pooling (class token or mean) is 1-Lipschitz in the Frobenius norm over tokens.
+* pooling (class token, mean or max over tokens) is 1-Lipschitz in the Frobenius norm over tokens; attention pooling
+  (``global_pool='map'``) is refused; a norm before the blocks (``pre_norm``) counts with its own constant; class
+  and register tokens and positions are constants.
 
 For Newhouse et al.'s Lipschitz transformer (``lipschitz_transformer``) the bound is composed on the
 image domain [0, 1]ⁿ: :mod:`stability.lipschitz.transformer_bounds`; for the convolutional anchor
@@ -145,7 +147,10 @@ def _scaled_head(network: nn.Module, head: nn.Linear) -> torch.Tensor:
 
 def vit_bound(network: nn.Module) -> Bound:
     backbone, embed = _vit(network)
+    if getattr(backbone, "attn_pool", None) is not None:
+        raise Unbounded("attention pooling (global_pool='map') is not accounted for")
     bound = 1.0 / float(network.std.min()) * sigma(embed) * norm_lipschitz(backbone.patch_embed.norm)
+    bound *= norm_lipschitz(backbone.norm_pre)  # pre_norm: a norm before the blocks (CenterNorm under LipsFormer)
     tokens = vit_tokens(backbone)
     for block in backbone.blocks:
         for attr, norm, branch, layer_scale in (("drop_path1", block.norm1, block.attn, block.ls1),

@@ -80,9 +80,12 @@ def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d
         raise NotALipschitzTransformer("overlapping patch embedding")
     if not isinstance(backbone.patch_embed.norm, nn.Identity):
         raise NotALipschitzTransformer("a norm in the patch embedding")
-    for norm in (backbone.norm, backbone.fc_norm):
+    for where, norm in (("a final", backbone.norm), ("a final", backbone.fc_norm), ("a pre-block (pre_norm)",
+                                                                                    backbone.norm_pre)):
         if not isinstance(norm, nn.Identity):
-            raise NotALipschitzTransformer(f"a final {type(norm).__name__} (LayerNorm has no global bound)")
+            raise NotALipschitzTransformer(f"{where} {type(norm).__name__} (LayerNorm has no global bound)")
+    if getattr(backbone, "attn_pool", None) is not None:
+        raise NotALipschitzTransformer("attention pooling (global_pool='map') has no bound here")
     blocks = list(backbone.blocks)
     for wrapper in blocks:
         if not isinstance(wrapper, ConvexResidualBlock):
@@ -117,7 +120,9 @@ def _largest_patch(network: nn.Module, backbone: VisionTransformer, dtype: torch
 def _token_size(backbone: VisionTransformer, embed_sigma: torch.Tensor, embed, patch: torch.Tensor,
                 differentiable: bool, per_token: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """max over tokens of the size of an embedded token (``per_token`` measures a vector's size):
-    ‖W_e‖·max‖patch‖ + max_i ‖b_e + pos_i‖, and the class token's ‖cls + pos_0‖."""
+    ‖W_e‖·max‖patch‖ + max_i ‖b_e + pos_i‖ over the patches, and each prefix token's (class, registers) own size,
+    with its position where it has one. timm adds the positions to the prefix tokens too unless
+    ``no_embed_class`` (then the position table has one row per patch only)."""
     dtype = patch.dtype
 
     def value(t: torch.Tensor) -> torch.Tensor:
@@ -125,14 +130,16 @@ def _token_size(backbone: VisionTransformer, embed_sigma: torch.Tensor, embed, p
 
     pos = None if backbone.pos_embed is None else value(backbone.pos_embed[0])
     prefix = backbone.num_prefix_tokens
+    prefix_pos = 0 if backbone.no_embed_class else prefix  # the position rows that belong to prefix tokens
     bias = patch.new_zeros(embed.weight.shape[0]) if embed.bias is None else value(embed.bias)
-    shifts = bias + pos[prefix:] if pos is not None else bias[None]
+    shifts = bias + pos[prefix_pos:] if pos is not None else bias[None]
     size = embed_sigma * patch + per_token(shifts).max()
-    if prefix:
-        cls = value(backbone.cls_token)[0, 0]
-        if pos is not None and not backbone.no_embed_class:
-            cls = cls + pos[0]
-        size = torch.maximum(size, per_token(cls[None]).max())
+    tokens = [value(t)[0] for t in (backbone.cls_token, backbone.reg_token) if t is not None]  # each (n, D)
+    if tokens:
+        constants = torch.cat(tokens)  # (prefix, D)
+        if pos is not None and prefix_pos:
+            constants = constants + pos[:prefix_pos]
+        size = torch.maximum(size, per_token(constants).max())
     return size
 
 

@@ -59,7 +59,7 @@ from ..nn.lipschitz_blocks import FlattenLinear, LipschitzDotKernel, MaxMin, Sca
 from ..nn.token_mixing import TokenMixing
 from .base import Stabilizer, register_stabilizer
 
-TOKEN_PARAMETERS = ("pos_embed", "cls_token")
+TOKEN_PARAMETERS = ("pos_embed", "cls_token", "reg_token")
 ATTENTIONS = ("dot", "l2", "l2_unit", "mixing")
 ACTIVATIONS = {"gelu": ScaledGELU, "relu": nn.ReLU, "maxmin": MaxMin}  # each 1-Lipschitz: the bounds take 1
 
