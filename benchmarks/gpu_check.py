@@ -16,7 +16,7 @@ Sections:
   most clean.
 * ``compare``: each stabilizer's loss terms, gradients, one optimizer step with its projection and the measurements
   after it, the same weights and batch in float32 (TF32 off) on the GPU and on the CPU, compared as
-  ``stability/parity.py`` defines (every key with both values and its tolerance).
+  ``stability/testing/parity.py`` defines (every key with both values and its tolerance).
 * ``benchmarks``: ``step_cost.py`` at batch 256 in fp32 and bf16 (ViT-S, Swin-T, CSwin-T, 64 and 256 tokens;
   memory after a warm-up step) and ``measurement_cost.py`` at batch 256 against an fp32 and a bf16 training step.
 * ``ddp`` (two GPUs or more): ``stability test`` of one checkpoint on one process and on two.
@@ -286,10 +286,11 @@ def training_losses(run_dir: Path) -> list[float]:
 
 # ----------------------------------------------------------------------------------------------- compare
 def compare_with_cpu(deadline: float | None) -> dict:
-    """stability/parity.py on every case: the reference on the CPU against a copy on the device, float32, TF32 off."""
-    from stability import parity
+    """stability/testing/parity.py on every case: the reference on the CPU against a copy on the device, float32, TF32
+    off."""
     from stability.classifier import ImageClassifier
     from stability.models import without_dropout
+    from stability.testing import parity
 
     rows: list[dict] = []
     for stabilizer, backbone in cases():
@@ -400,8 +401,9 @@ def render(state: dict, device: str, gpus: int) -> str:
                       f"{'ok' if r['passed'] else '; '.join(r['problems'])} |" for r in s["rows"]]
             lines.append("")
         elif section == "compare" and "rows" in s:
-            lines += ["Float32, TF32 off, compared as `stability/parity.py` defines (loss terms, gradients, the "
-                      "weights after one step from the same gradients, measurements). Worst key: the one closest to "
+            lines += ["Float32, TF32 off, compared as `stability/testing/parity.py` defines (loss terms, gradients, "
+                      "the weights after one step from the same gradients, measurements, attacks). Worst key: the one "
+                      "closest to "
                       "its tolerance.", "", "| stabilizers | backbone | keys | worst key | verdict |",
                       "|---|---|---|---|---|"]
             for r in s["rows"]:

@@ -16,7 +16,7 @@ TINY = dict(embed_dim=16, depth=1, num_heads=2)
 def fit(compile: bool, tmp_path) -> tuple[ImageClassifier, L.Trainer]:
     L.seed_everything(0)
     # SGD: AdamW's first step moves a parameter whose exact gradient is zero (the key biases) by ±lr with the sign of
-    # its rounding noise, which differs between compiled and eager kernels (stability/parity.py)
+    # its rounding noise, which differs between compiled and eager kernels (stability/testing/parity.py)
     module = ImageClassifier(backbone_options=TINY, stabilizer="qk_norm", compile=compile, optimizer="sgd", lr=0.05)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=1, log_every_n_steps=2,
                         logger=TensorBoardLogger(tmp_path / str(compile)), enable_checkpointing=False,

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stability import parity
 from stability.callbacks.bounds import certified_bound_of
 from stability.classifier import ImageClassifier
 from stability.data import Digits
 from stability.robustness import AttackSpec, certified_radii, robust_accuracy
+from stability.testing import parity
 
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 TINY = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]

@@ -28,7 +28,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import stability
-from stability import parity
 from stability.callbacks import (
     DivergenceMonitor,
     EpochTimer,
@@ -39,11 +38,12 @@ from stability.callbacks import (
 )
 from stability.classifier import CROSS_ENTROPY, ImageClassifier
 from stability.data import Digits
-from stability.models import attention_sites, linear_role, without_dropout
+from stability.models import attention_sites, without_dropout
 from stability.nn.row_statistics import top_probabilities_streamed
 from stability.nn.softmax_bounds import top_probabilities
 from stability.stabilizers import REGISTRY
 from stability.stabilizers.muon import NS_COEFFICIENTS, newton_schulz_bound
+from stability.testing import parity
 
 # heads at least 16 wide everywhere: the narrowest FlexAttention compiles on CUDA (softcap's fused path)
 BACKBONES = {"vit": (8, dict(embed_dim=32, depth=2, num_heads=2)),
@@ -68,17 +68,18 @@ def batch(module: ImageClassifier, count: int = 4) -> tuple[torch.Tensor, torch.
 
 
 def at_a_generic_point(module: ImageClassifier) -> ImageClassifier:
-    """Weights where every compared quantity is defined up to rounding: a zero-initialised classifier head (the
-    Lipschitz transformer's) drawn at random — the logits of a zero head are all equal, and a margin between equal
-    logits, a certified radius, is rounding noise — and every matrix moved by 1% at random — an orthogonal matrix has
-    all its singular values equal, so the gradient of σ₁ (the Lipschitz-margin loss differentiates it) is any
-    direction of that subspace, and rounding picks one."""
+    """Weights where every compared quantity is defined up to rounding: every zero-initialised matrix (the Lipschitz
+    transformer's head, W_O and MLP outputs) drawn at random — the logits of a zero head are all equal, and a margin
+    between equal logits, a certified radius, is rounding noise; with zero W_O the class token never hears the image,
+    the input gradient is rounding noise and so is the direction PGD steps in — and every matrix moved by 1% at random
+    — an orthogonal matrix has all its singular values equal, so the gradient of σ₁ (the Lipschitz-margin loss
+    differentiates it) is any direction of that subspace, and rounding picks one."""
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for name, p in module.network.named_parameters():
+        for p in module.network.parameters():
             if p.ndim != 2:
                 continue
-            if linear_role(name.removesuffix(".weight")) == "head" and not p.abs().max() > 0:
+            if not p.abs().max() > 0:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
             p.add_(torch.randn(p.shape, generator=gen) * 0.01 * float(p.abs().max()))
     return module
@@ -299,7 +300,8 @@ def test_on_a_gpu_a_training_step_never_synchronises(stabilizer):
 
 def compare_sides(stabilizer: str, backbone: str, device: str, dtype: torch.dtype) -> list[parity.Difference]:
     """The reference (CPU, float32) against ``device`` in ``dtype``: loss terms, gradients, the weights after one step
-    from the same gradients, and the measurements after it (stability/parity.py says what each is relative to)."""
+    from the same gradients, and the measurements after it (stability/testing/parity.py says what each is relative
+    to)."""
     cpu = at_a_generic_point(build(stabilizer, backbone)).train()
     images, labels = batch(cpu, 8)
     differences, other = parity.compare_training_step(cpu, images, labels, device, dtype)
@@ -351,11 +353,12 @@ def newton_schulz(gradient: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def test_muons_update_is_defined_only_in_size_across_devices():
-    """Why parity compares a Muon step by its size: on the gradients of a network near initialisation, torch.optim.
-    Muon's bfloat16 Newton–Schulz result is O(1) away from the same iteration in float64 (rounding multiplied by the
-    quintic's slope 3.4 at 0, five times, in the small singular directions), while in float32 it agrees to 1e-3; two
-    devices' bf16 results can differ as much. Each update stays within MuonConstrained.step_bounds, the a-priori size,
-    so their difference stays within twice it."""
+    """Why parity runs Newton–Schulz in float32 for its comparison: on the gradients of a network near
+    initialisation, torch.optim.Muon's bfloat16 Newton–Schulz result is O(1) away from the same iteration in float64
+    (rounding multiplied by the quintic's slope 3.4 at 0, five times, in the small singular directions), while in
+    float32 it agrees to 1e-3; two devices' bf16 results can differ as much, so a bf16 comparison could only hold the
+    update to its size — which a skipped step passes (tests/test_parity.py). Each update, bf16 or exact, stays within
+    MuonConstrained.step_bounds, the a-priori size each side is also checked against."""
     from torch.optim import _muon
 
     module = at_a_generic_point(build("lipschitz_transformer,muon", "vit")).train()
@@ -384,8 +387,9 @@ def test_muons_update_is_defined_only_in_size_across_devices():
 @pytest.mark.gpu
 @pytest.mark.parametrize("stabilizer, backbone", CASES)
 def test_on_a_gpu_losses_projections_and_measurements_match_the_cpu(stabilizer, backbone):
-    """The same weights and batch in float32 (TF32 off), compared as stability/parity.py defines: loss terms relative
-    to themselves, gradients relative to the network's largest, the weights after one step from the same gradients,
-    the measurements relative to their own scale. A failure prints every key over its tolerance, with both values."""
+    """The same weights and batch in float32 (TF32 off), compared as stability/testing/parity.py defines: loss terms
+    relative to themselves, gradients relative to the network's largest, the weights after one step from the same
+    gradients, the measurements relative to their own scale. A failure prints every key over its tolerance, with both
+    values."""
     differences = compare_sides(stabilizer, backbone, "cuda", torch.float32)
     assert not parity.failures(differences), parity.describe(differences)

@@ -1,12 +1,12 @@
-"""A training step's cost, held by deterministic proxies that repeat on a CPU (stability/profiling.py): no (B, h, N, N)
-attention map where a method keeps attention on a fused kernel, and the bytes saved for backward against the plain
-step's, under bf16 autocast as ``--trainer.precision bf16-mixed`` trains. A ViT-S-shaped block (head width 32, MLP
-ratio 4) at 64 tokens, batch 2."""
+"""A training step's cost, held by deterministic proxies that repeat on a CPU (stability/testing/profiling.py): no
+(B, h, N, N) attention map where a method keeps attention on a fused kernel, and the bytes saved for backward against
+the plain step's, under bf16 autocast as ``--trainer.precision bf16-mixed`` trains. A ViT-S-shaped block (head width
+32, MLP ratio 4) at 64 tokens, batch 2."""
 import pytest
 import torch
 
 from stability.classifier import ImageClassifier
-from stability.profiling import attention_maps, dispatched, saved_for_backward
+from stability.testing.profiling import attention_maps, dispatched, saved_for_backward
 
 VIT = dict(embed_dim=96, depth=2, num_heads=3, mlp_ratio=4.0, patch_size=4)
 TOKENS = 65  # 8 × 8 patches and the class token

@@ -21,17 +21,18 @@ EPS_FOR_DIVISION = 1e-10  # torchattacks' PGDL2 default
 
 
 def random_start(images: torch.Tensor, norm: str, eps: float, seed: int) -> torch.Tensor:
-    """The start x₀ of PGD, drawn on the CPU from ``seed`` (the same on every device), on the images' device."""
+    """The start x₀ of PGD, drawn on the CPU in float32 from ``seed`` (the same on every device and in every dtype: a
+    generator draws other numbers in float64), on the images' device and in their dtype."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     shape = images.shape
     if norm == "Linf":
-        noise = torch.empty(shape, dtype=images.dtype, device="cpu").uniform_(-eps, eps, generator=gen)
-        return torch.clamp(images + noise.to(images.device), min=0, max=1).detach()
-    delta = torch.empty(shape, dtype=images.dtype, device="cpu").normal_(generator=gen)
+        noise = torch.empty(shape, dtype=torch.float32, device="cpu").uniform_(-eps, eps, generator=gen)
+        return torch.clamp(images + noise.to(images), min=0, max=1).detach()
+    delta = torch.empty(shape, dtype=torch.float32, device="cpu").normal_(generator=gen)
     n = delta.view(shape[0], -1).norm(p=2, dim=1).view(shape[0], 1, 1, 1)
     r = torch.zeros_like(n).uniform_(0, 1, generator=gen)
     delta *= r / n * eps
-    return torch.clamp(images + delta.to(images.device), min=0, max=1).detach()
+    return torch.clamp(images + delta.to(images), min=0, max=1).detach()
 
 
 class PGD:

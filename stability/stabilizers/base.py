@@ -20,7 +20,8 @@ calls, for each selected stabilizer, in the order given:
    project weights;
    ``constrained_parameters(network)`` names the parameters it keeps norm-bounded that way — a
    stabilizer with ``wants_constrained_network`` makes the run list every parameter no one does;
-6. ``signals()`` for values worth watching during training (a cap's excess, a soft cap's α), logged every
+6. ``step_bounds()`` for the a-priori size of each step of the parameters its optimizer steps;
+   ``signals()`` for values worth watching during training (a cap's excess, a soft cap's α), logged every
    ``log_every_n_steps`` as ``stability/<name>/<key>`` and read only then (no host sync per step);
 7. ``lipschitz_bound(network)`` for a certified global Lipschitz upper bound (a number or a
    :class:`~stability.lipschitz.certified.Bound`), where the method has one (None otherwise —
@@ -130,6 +131,12 @@ class Stabilizer:
 
     def after_optimizer_step(self, network: nn.Module, global_step: int = 0) -> None:
         """Project weights after each optimizer step (``global_step``: the index of the step just taken)."""
+
+    def step_bounds(self) -> dict[int, float]:
+        """id(parameter) → an a-priori bound on the Frobenius norm of its change in one optimizer step, for the
+        parameters this stabilizer's optimizer steps (Muon's), where the step is known in size (empty by default).
+        Cross-device comparisons check each side's step against it (stability/testing/parity.py)."""
+        return {}
 
     def signals(self) -> dict[str, float | torch.Tensor]:
         """Scalars to log every ``log_every_n_steps`` steps (read only then: device tensors stay on the device)."""

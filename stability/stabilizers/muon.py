@@ -222,9 +222,8 @@ class MuonConstrained(Stabilizer):
 
     def step_bounds(self) -> dict[int, float]:
         """id(matrix) → an a-priori bound on the Frobenius norm of its change in one Muon step, decay aside:
-        ‖ΔW‖_F ≤ √rank·‖ΔW‖₂ ≤ √min(A, B)·η·√(A/B)·B (B: :func:`newton_schulz_bound`). Newton–Schulz multiplies
-        rounding in the small singular directions of the momentum (slope 3.4 at 0, five times), so two devices'
-        updates from the same gradients agree in this size, not entry by entry (stability/parity.py)."""
+        ‖ΔW‖_F ≤ √rank·‖ΔW‖₂ ≤ √min(A, B)·η·√(A/B)·B (B: :func:`newton_schulz_bound`). Each side of a cross-device
+        comparison is held to it (stability/testing/parity.py)."""
         if self.optimizer != "muon" or self._muon is None:
             return {}
         bound = newton_schulz_bound(self.ns_steps)

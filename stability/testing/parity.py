@@ -1,5 +1,6 @@
 """Parity: one training step and the measurements of a module on two sides (devices, or dtypes), compared key by
-key with tolerances that hold on any device.
+key with tolerances that hold on any device — and that a planted error fails (tests/test_parity.py: a skipped Muon
+step, a wrong orthogonalisation, a PGD step with the wrong sign, a dropped attention term each fail the comparison).
 
 Two devices (or float32 against float64) compute the same function with different rounding. A comparison is right
 by construction only where the quantity it compares is defined up to that rounding:
@@ -10,33 +11,43 @@ by construction only where the quantity it compares is defined up to that roundi
   rounding noise whose sign differs between the sides; only its size, ≪ the network's gradient, is defined;
 * **the step**: both sides take their optimizer's step and projection from the *same* gradients (the reference's,
   copied), so that the update is compared, not AdamW's ≈ ±lr reading of the noise above. Weights then agree relative
-  to the tensor's size plus 1e-4 of the update's. A Muon matrix's update is defined only in size: Newton–Schulz runs
-  in bfloat16 on every device and multiplies rounding in the small singular directions of the momentum (slope 3.4 at
-  0, five times; on the CPU its bf16 result is O(1) away from the exact one), so two devices agree within twice
-  Muon's a-priori bound on the update's Frobenius norm (``MuonConstrained.step_bounds``), which the hard cap, a
-  Frobenius projection onto a convex set, does not enlarge;
+  to the tensor's size plus 1e-4 of the update's — Muon's matrices too: torch.optim.Muon runs Newton–Schulz in
+  bfloat16, which multiplies rounding in the small singular directions of the momentum (slope 3.4 at 0, five times;
+  its result is O(1) away from the exact iteration's, and two devices' bf16 results as far from each other, in
+  Frobenius norm too), so for the comparison both sides run it in float32 (:func:`float32_newton_schulz`), where it
+  agrees with float64 to 1e-4 — and each side's Muon update stays within its a-priori size
+  (:meth:`~stability.stabilizers.base.Stabilizer.step_bounds`);
 * **measurements** (local Jacobian norms, empirical lower bounds, certified bound and radii): relative to the
   measurement's own scale (the largest value of the vector), since a radius near 0 has no relative precision;
-  1e-3, and 1e-2 for the empirical lower bound, the best point of a gradient ascent whose path rounding moves.
+  1e-3, and 1e-2 for the empirical lower bound, the best point of a gradient ascent whose path rounding moves;
+* **attacks**: PGD ℓ2's perturbation δ (a continuous function of the gradients, from the same seeded start) within
+  1e-3·ε; FGSM's ℓ∞ perturbation ε·sign(∇) in the share of pixels whose sign differs (a gradient component ≈ 0 may
+  round either way), at most 1%; and each attack's outcome per point, at most one point in the batch differing
+  (a point on the decision boundary).
 
 Every mismatch is a :class:`Difference` that prints the key, both values and the tolerance: a GPU run is rare and
 short, and its log must say what differed and by how much.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .nn.precision import ieee_float32
+from ..nn.precision import ieee_float32
 
 LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-6
 GRADIENT_RTOL = 1e-4  # of the largest gradient entry of the network
 WEIGHT_RTOL, UPDATE_RTOL = 1e-4, 1e-4  # of the tensor's largest entry, and of its largest change in the step
 MEASUREMENT_RTOL = 1e-3  # of the measurement's largest value
 ASCENT_RTOL = 1e-2  # the empirical lower bound: the best point of a gradient ascent, whose path rounding moves
+PGD_RTOL = 1e-3  # of ε: PGD ℓ2's perturbation
+FGSM_SIGN_SHARE = 0.01  # the share of pixels whose FGSM sign may differ
+OUTCOME_POINTS = 1  # points whose attack outcome may differ (on the decision boundary)
+FGSM_EPS, PGD_EPS = 8 / 255, 0.5  # the budgets the measurements attack at
 
 
 @dataclass(frozen=True)
@@ -93,16 +104,46 @@ def describe(differences: Iterable[Difference], limit: int = 12) -> str:
 
 
 def _total(terms: dict[str, torch.Tensor]) -> torch.Tensor:
-    from .classifier import CROSS_ENTROPY
+    from ..classifier import CROSS_ENTROPY
 
     return sum(t for name, t in terms.items() if name != CROSS_ENTROPY)
 
 
-def _step_bounds(module) -> dict[int, float]:
-    """id(parameter) → a bound on the size of its change in one step, where the step is defined only in size."""
+def newton_schulz(gradient: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation (the quintic Newton–Schulz iteration on G/‖G‖_F, on the wide side) in at
+    least float32 — torch's own runs it in bfloat16 — returned in the gradient's dtype."""
+    a, b, c = coefficients
+    x = gradient.to(torch.promote_types(gradient.dtype, torch.float32))
+    wide = x.shape[0] > x.shape[1]
+    x = x.mT if wide else x
+    x = x / x.norm().clamp_min(eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.mT if wide else x).to(gradient.dtype)
+
+
+@contextlib.contextmanager
+def float32_newton_schulz() -> Iterator[None]:
+    """torch.optim.Muon's Newton–Schulz in float32 inside the block (its bfloat16 result is defined only in size
+    across devices: module docstring)."""
+    from torch.optim import _muon
+
+    original = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = lambda grad, coefficients, steps, eps: newton_schulz(
+        grad, coefficients, steps, eps)
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = original
+
+
+def step_bounds(module) -> dict[int, float]:
+    """id(parameter) → an a-priori bound on the Frobenius norm of its change in one step, from the stabilizers."""
     bounds: dict[int, float] = {}
     for stab in module.stabilizers:
-        bounds.update(getattr(stab, "step_bounds", dict)())
+        bounds.update(stab.step_bounds())
     return bounds
 
 
@@ -110,8 +151,9 @@ def compare_training_step(module, images: torch.Tensor, labels: torch.Tensor, de
                           dtype: torch.dtype = torch.float32) -> tuple[list[Difference], torch.nn.Module]:
     """``module`` (the reference, on the CPU in float32, as given) against a copy on ``device`` in ``dtype``: the
     loss terms of one training forward, the gradients, and every parameter and buffer after one optimizer step and
-    projection taken from the reference's gradients (IEEE float32 matmuls: no TF32). Both modules are stepped;
-    returns the differences and the stepped copy."""
+    projection taken from the reference's gradients (IEEE float32 matmuls: no TF32; Muon's Newton–Schulz in float32),
+    and the size of each side's update where a stabilizer bounds it a priori. Both modules are stepped; returns the
+    differences and the stepped copy."""
     other = copy.deepcopy(module).to(device=device, dtype=dtype)
     out: list[Difference] = []
     with ieee_float32():
@@ -134,34 +176,50 @@ def compare_training_step(module, images: torch.Tensor, labels: torch.Tensor, de
         for name, p in other_params.items():  # the same gradients on both sides: the update is what is compared
             reference = ref_params[name].grad
             p.grad = None if reference is None else reference.to(device=p.device, dtype=p.dtype)
-        for side, optimizer in optimizers:
-            optimizer.step()
-            side.after_optimizer_step(0)
-    sized = _step_bounds(module)
-    by_key = {key: sized[id(p)] for key, p in module.named_parameters() if id(p) in sized}
+        with float32_newton_schulz():
+            for side, optimizer in optimizers:
+                label = "reference" if side is module else "other"
+                sized = step_bounds(side)
+                start = {name: p.detach().clone() for name, p in side.named_parameters() if id(p) in sized}
+                optimizer.step()
+                for name, p in side.named_parameters():  # the optimizer's step alone, before any projection
+                    if name in start:
+                        bound = sized[id(p)]
+                        change = float(torch.linalg.vector_norm((p.detach() - start[name]).double()))
+                        out.append(Difference(f"update size ({label}) {name}", bound, change,
+                                              max(0.0, change - bound), 1e-6 * bound))
+                side.after_optimizer_step(0)
     other_state = other.state_dict()
     for key, value in module.state_dict().items():
         if key in before:
-            step = 2 * by_key[key] if key in by_key else UPDATE_RTOL * scale(value - before[key])
-            tolerance = WEIGHT_RTOL * scale(value) + step + 1e-9
+            tolerance = WEIGHT_RTOL * scale(value) + UPDATE_RTOL * scale(value - before[key]) + 1e-9
             out.append(difference(f"after the step {key}", value, other_state[key], tolerance))
     return out, other
 
 
 def measurements(module, images: torch.Tensor, labels: torch.Tensor) -> dict:
     """Every measurement the monitors take, as they take them (float32, eval mode, gradients allowed): local Jacobian
-    norms (with and without the patch embedding), the empirical lower bound, FGSM / PGD outcomes, attention
-    statistics, the certified bound and radii where a bound exists, and the stabilizers' labelled bounds."""
-    from .callbacks import LipschitzMonitor
-    from .callbacks.bounds import certified_bound_of
-    from .lipschitz.attention import point_statistics
-    from .robustness import AttackSettings, AttackSpec, certified_radii, evaluate_batch
-    from .robustness.attacks import evaluating
+    norms (with and without the patch embedding), the empirical lower bound, FGSM / PGD outcomes and perturbations,
+    attention statistics, the certified bound and radii where a bound exists, and the stabilizers' labelled bounds."""
+    import torchattacks
+
+    from ..callbacks import LipschitzMonitor
+    from ..callbacks.bounds import certified_bound_of
+    from ..lipschitz.attention import point_statistics
+    from ..robustness import AttackSettings, AttackSpec, certified_radii, evaluate_batch
+    from ..robustness.attacks import evaluating, gradients_allowed
+    from ..robustness.pgd import PGD
 
     network = module.network
     out = LipschitzMonitor(iterations=2, exclude_patch_embed=True).measure_points(network, 0, images)
-    specs = [AttackSpec("fgsm", "Linf", 8 / 255), AttackSpec("pgd", "L2", 0.5)]
-    out.update(evaluate_batch(network, images, labels, specs, AttackSettings(10, pgd_steps=2)))
+    specs = [AttackSpec("fgsm", "Linf", FGSM_EPS), AttackSpec("pgd", "L2", PGD_EPS)]
+    settings = AttackSettings(10, pgd_steps=2)
+    out["outcomes"] = evaluate_batch(network, images, labels, specs, settings)
+    with gradients_allowed(), evaluating(network):  # the perturbations behind those outcomes, as the attacks make them
+        x = images.detach().clone()
+        out["fgsm_delta"] = torchattacks.FGSM(network, eps=FGSM_EPS)(x, labels) - x
+        alpha = 2.5 * PGD_EPS / settings.pgd_steps
+        out["pgd_delta"] = PGD(network, "L2", PGD_EPS, alpha, settings.pgd_steps, seed=settings.seed)(x, labels) - x
     with evaluating(network):
         out["attention"] = point_statistics(network, images)
     bound, _ = certified_bound_of(module.stabilizers, network)
@@ -177,11 +235,22 @@ MEASURED = ("local", "local_noembed", "lower_bound", "radii", "bound")
 
 
 def compare_measurements(reference: dict, other: dict) -> list[Difference]:
-    """The numeric measurements of :func:`measurements`, each relative to its own largest value."""
-    return [difference(key, reference[key], other[key],
-                       (ASCENT_RTOL if key == "lower_bound" else MEASUREMENT_RTOL) * scale(reference[key]) + 1e-9)
-            for key in MEASURED if key in reference]
+    """The numeric measurements of :func:`measurements`, each relative to its own largest value, and the attacks as
+    the module docstring says."""
+    out = [difference(key, reference[key], other[key],
+                      (ASCENT_RTOL if key == "lower_bound" else MEASUREMENT_RTOL) * scale(reference[key]) + 1e-9)
+           for key in MEASURED if key in reference]
+    if "pgd_delta" in reference:
+        out.append(difference("pgd δ (L2)", reference["pgd_delta"], other["pgd_delta"], PGD_RTOL * PGD_EPS))
+        ref_sign, other_sign = reference["fgsm_delta"].sign().cpu(), other["fgsm_delta"].sign().cpu()
+        flipped = float((ref_sign != other_sign).double().mean())
+        out.append(Difference("fgsm δ (Linf): share of pixels whose sign differs", 0.0, flipped, flipped,
+                              FGSM_SIGN_SHARE))
+        for key, mask in reference["outcomes"].items():
+            differing = int((mask.cpu() != other["outcomes"][key].cpu()).sum())
+            out.append(Difference(f"outcome {key}: points that differ", 0.0, differing, differing, OUTCOME_POINTS))
+    return out
 
 
 __all__ = ["Difference", "compare_measurements", "compare_training_step", "describe", "difference", "failures",
-           "measurements"]
+           "float32_newton_schulz", "measurements", "newton_schulz", "step_bounds"]
