@@ -297,6 +297,12 @@ class ImageClassifier(L.LightningModule):
                                min_ratio=hp.min_lr_ratio, decay_start=hp.get("decay_start", 0.0)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Before Lightning restores the optimizer and schedulers: each stabilizer brings an older layout of its state
+        to the current one (Muon's groups, split by shape factor since; Stabilizer.on_load_checkpoint)."""
+        for stab in self.stabilizers:
+            stab.on_load_checkpoint(checkpoint, self.network)
+
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         optimizer.step(closure=optimizer_closure)
         self.after_optimizer_step()

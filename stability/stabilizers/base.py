@@ -132,6 +132,10 @@ class Stabilizer:
     def after_optimizer_step(self, network: nn.Module, global_step: int = 0) -> None:
         """Project weights after each optimizer step (``global_step``: the index of the step just taken)."""
 
+    def on_load_checkpoint(self, checkpoint: dict, network: nn.Module) -> None:
+        """Bring a checkpoint saved by an older version of this stabilizer to the current layout, in place, before
+        Lightning restores it (or raise a ValueError saying in one line why it cannot resume)."""
+
     def step_bounds(self) -> dict[int, float]:
         """id(parameter) → an a-priori bound on the Frobenius norm of its change in one optimizer step, for the
         parameters this stabilizer's optimizer steps (Muon's), where the step is known in size (empty by default).

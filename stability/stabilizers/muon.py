@@ -55,6 +55,45 @@ METHODS = ("iterative", "exact")
 POWER_CONSTRAINTS = ("normalise", "hammer", "spectral_wd")  # those that need the top singular triplet
 
 
+class IncompatibleCheckpoint(ValueError):
+    """An optimizer state that does not fit the network it is loaded into."""
+
+
+def _upgraded_muon_state(saved: dict, grouping: list[tuple[float, float, list[tuple[str, nn.Parameter]]]],
+                         module_order: list[str]) -> tuple[dict, list[tuple[int, float]]]:
+    """The Muon state of the old layout (one group per role scale in first-seen order, each holding its matrices in
+    module order) in the current one (one group per role scale and shape factor), and for each new group (the old
+    group it came from, its shape factor): the scheduler's per-group rates follow the same map."""
+    old_groups = saved["param_groups"]
+    scale_of = {name: scale for scale, _, members in grouping for name, _ in members}
+    scales = list(dict.fromkeys(scale_of[name] for name in module_order))
+    old_names = [name for scale in scales for name in module_order if scale_of[name] == scale]  # the old flat order
+    count = sum(len(group["params"]) for group in old_groups)
+    if count != len(old_names) or len(old_groups) != len(scales):
+        raise IncompatibleCheckpoint(
+            f"the checkpoint's Muon state holds {count} matrices in {len(old_groups)} groups where this network's Muon "
+            f"has {len(old_names)} in {len(scales)}: it was saved from another architecture or muon.layers and cannot "
+            f"resume here (stability test and validate read only its weights)")
+    old_index = {name: i for i, name in enumerate(old_names)}
+    group_of = {i: g for g, group in enumerate(old_groups) for i in group["params"]}
+    state, groups, bases, position = {}, [], [], 0
+    for _, factor, members in grouping:
+        source = group_of[old_index[members[0][0]]]
+        indices = []
+        for name, _ in members:
+            if old_index[name] in saved["state"]:
+                state[position] = saved["state"][old_index[name]]
+            indices.append(position)
+            position += 1
+        group = {**{k: v for k, v in old_groups[source].items() if k != "params"}, "params": indices,
+                 LR_SHAPE_FACTOR: factor, "lr": old_groups[source]["lr"] * factor, "adjust_lr_fn": "original"}
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+        groups.append(group)
+        bases.append((source, factor))
+    return {"state": state, "param_groups": groups}, bases
+
+
 def muon_shape_factor(shape: torch.Size | tuple[int, ...]) -> float:
     """The factor of a matrix's group lr that makes torch.optim.Muon step by lr·√(fan_out/fan_in).
 
@@ -202,16 +241,10 @@ class MuonConstrained(Stabilizer):
         optimizer on the rest. Each group's lr is ``lr`` × the role's ``update_scales`` × (Muon)
         :func:`muon_shape_factor`; the factor is kept in the group, so the decay and the soft cap use the
         nominal rate."""
-        named = constrained_matrices(network, self.layers)
-        ids = {id(p) for _, p in named}
+        ids = {id(p) for _, p in constrained_matrices(network, self.layers)}
         rest = default((n, p) for n, p in network.named_parameters() if id(p) not in ids)
-        groups: dict[tuple[float, float], list[nn.Parameter]] = {}
-        for name, p in named:
-            scale = self.update_scales.get(linear_role(name.removesuffix(".weight")), 1.0)
-            factor = muon_shape_factor(p.shape) if self.optimizer == "muon" else 1.0
-            groups.setdefault((scale, factor), []).append(p)
-        param_groups = [{"params": params, "lr": self.lr * scale * factor, LR_SHAPE_FACTOR: factor}
-                        for (scale, factor), params in groups.items()]
+        param_groups = [{"params": [p for _, p in members], "lr": self.lr * scale * factor, LR_SHAPE_FACTOR: factor}
+                        for scale, factor, members in self._grouping(network)]
         if self.optimizer == "muon":
             self._muon = torch.optim.Muon(param_groups, lr=self.lr, weight_decay=0.0, momentum=self.momentum,
                                           nesterov=self.nesterov, ns_steps=self.ns_steps, adjust_lr_fn="original")
@@ -219,6 +252,36 @@ class MuonConstrained(Stabilizer):
             self._muon = torch.optim.AdamW(param_groups, lr=self.lr, weight_decay=0.0)
         self._matrices = [p for group in self._muon.param_groups for p in group["params"]]
         return CombinedOptimizer([self._muon, rest], before_update=self._before_update)
+
+    def _grouping(self, network: nn.Module) -> list[tuple[float, float, list[tuple[str, nn.Parameter]]]]:
+        """[(role scale, shape factor, [(name, matrix)])]: the Muon groups, in first-seen order."""
+        groups: dict[tuple[float, float], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in constrained_matrices(network, self.layers):
+            scale = self.update_scales.get(linear_role(name.removesuffix(".weight")), 1.0)
+            factor = muon_shape_factor(p.shape) if self.optimizer == "muon" else 1.0
+            groups.setdefault((scale, factor), []).append((name, p))
+        return [(scale, factor, members) for (scale, factor), members in groups.items()]
+
+    def on_load_checkpoint(self, checkpoint: dict, network: nn.Module) -> None:
+        """A Muon checkpoint saved before the groups were split by shape factor (torch's ``adjust_lr_fn`` was
+        ``spectral_unclamped``, which torch 2.9–2.12 do not have; the groups were one per role) is brought to the
+        current layout in place, so that it resumes: each matrix keeps its momentum, each group's learning rate (and
+        the scheduler's base rate) takes its shape factor. A state that does not fit the network stops the run with
+        one line saying why."""
+        if self.optimizer != "muon" or not checkpoint.get("optimizer_states"):
+            return
+        combined = checkpoint["optimizer_states"][0]
+        saved = combined.get("optimizers", [None])[0] if isinstance(combined, dict) else None
+        if not saved or all(LR_SHAPE_FACTOR in group for group in saved["param_groups"]):
+            return
+        module_order = [name for name, _ in constrained_matrices(network, self.layers)]
+        upgraded, bases = _upgraded_muon_state(saved, self._grouping(network), module_order)
+        combined["optimizers"][0] = upgraded
+        for scheduler in checkpoint.get("lr_schedulers", []):
+            for key in ("base_lrs", "_last_lr"):
+                if key in scheduler:
+                    old = scheduler[key]
+                    scheduler[key] = [old[i] * factor for i, factor in bases] + old[len(saved["param_groups"]):]
 
     def step_bounds(self) -> dict[int, float]:
         """id(matrix) → an a-priori bound on the Frobenius norm of its change in one Muon step, decay aside:
