@@ -17,11 +17,20 @@ from torchmetrics.classification import MulticlassAccuracy
 from . import tags
 from .metrics import TopClassShare, warn_constant_classifier
 from .models import Network, build_backbone, capture_attention, capture_queries_keys
-from .nn.precision import at_least_float32
-from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, nominal_lr, param_groups
+from .nn.precision import accumulation_dtype, at_least_float32
+from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
 from .stabilizers import ForwardStep, Stabilizer, build_stabilizers, stabilizer_names
 
 CROSS_ENTROPY = "cross_entropy"  # logged beside a replaced task loss, not optimised
+
+
+def _union_over_processes(names: list[str]) -> list[str]:
+    """The sorted union of every process's ``names`` (this process's own where there is one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return names
+    gathered: list[list[str] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, names)
+    return sorted({name for part in gathered for name in part or []})
 
 
 class ImageClassifier(L.LightningModule):
@@ -181,8 +190,18 @@ class ImageClassifier(L.LightningModule):
                      on_epoch=False)
             self.log_dict({tags.per_step(tag): value for tag, value in step_values.items()}, on_step=True,
                           on_epoch=False)
-            self.log(tags.TRAIN_LR, nominal_lr(self.optimizers().param_groups[0]), on_step=True, on_epoch=False)
+            self.log(tags.TRAIN_LR, self.nominal_rate(), on_step=True, on_epoch=False)
         return {"loss": total, "task_loss": task.detach()}
+
+    def nominal_rate(self) -> float:
+        """The module's learning rate (``--model.lr``) as the schedule sets it now: the scheduler's factor times
+        ``lr`` — not a parameter group's rate, which carries a stabilizer's own rate (Muon's ``lr``), its role scale
+        or its shape factor. A plain number (no device read)."""
+        scheduler = self.lr_schedulers()
+        if scheduler is None:
+            return float(self.hparams.lr)
+        base = scheduler.base_lrs[-1]  # the last group is the module's own optimizer's (after any stabilizer's)
+        return float(self.hparams.lr) * (scheduler.get_last_lr()[-1] / base if base else 1.0)
 
     def _accumulate(self, values: dict[str, torch.Tensor], count: int) -> None:
         """Σ value·count and Σ count per tag, on the device, for the epoch means."""
@@ -197,14 +216,26 @@ class ImageClassifier(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         """``<tag>_epoch``: the mean over every sample of the epoch and every process (one all-reduce per tag), and
-        ``train/acc``."""
+        ``train/acc``.
+
+        Safe when the processes logged different tags (a stabilizer's term on some of them only): the tags are first
+        made the union over the processes (one exchange of their names), and a process that has not seen a tag adds
+        zero with zero samples to it; then one all-reduce of the stacked sums and counts serves every tag."""
         sums = self.__dict__.pop("_epoch_sums", {})
-        for tag, (weighted, count) in sums.items():
-            total = self.trainer.strategy.reduce(weighted, reduce_op="sum")
-            samples = self.trainer.strategy.reduce(torch.tensor(float(count), device=weighted.device),
-                                                   reduce_op="sum")
-            self.log(tags.per_epoch(tag), total / samples, on_step=False, on_epoch=True,
-                     prog_bar=tag == tags.TRAIN_LOSS)
+        names = _union_over_processes(sorted(sums))
+        if names:
+            dtype = accumulation_dtype(self.network.mean.dtype)  # float32, or float64 for a float64 network
+            rows = []
+            for tag in names:
+                weighted, count = sums.get(tag, (None, 0))
+                row = torch.zeros(2, dtype=dtype, device=self.device)
+                if weighted is not None:
+                    row[0], row[1] = weighted.to(dtype), count
+                rows.append(row)
+            totals = self.trainer.strategy.reduce(torch.stack(rows), reduce_op="sum")  # (tags, 2): Σ value·n, Σ n
+            for tag, (total, samples) in zip(names, totals):
+                self.log(tags.per_epoch(tag), total / samples, on_step=False, on_epoch=True,
+                         prog_bar=tag == tags.TRAIN_LOSS)
         self.log(tags.TRAIN_ACC, self.train_acc.compute(), on_step=False, on_epoch=True, prog_bar=True)
         self.train_acc.reset()
 
@@ -230,8 +261,8 @@ class ImageClassifier(L.LightningModule):
         """``val/top_class_share``, and a :class:`~stability.metrics.ConstantClassifierWarning` the first time the
         network predicts one class for ≥ 95% of the validation points (a loss can shrink every margin into a constant
         classifier without diverging)."""
-        with self.val_top_class.sync_context():  # every process's counts (summed under DDP), the same verdict
-            share = self.val_top_class.compute()
+        share = self.val_top_class.compute()  # every process's counts (summed under DDP)
+        with self.val_top_class.sync_context():  # the same verdict on every process
             collapsed, what = self.val_top_class.collapsed()
         self.log(tags.stage_metric("val", "top_class_share"), share)
         self.val_top_class.reset()

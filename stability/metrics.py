@@ -40,7 +40,8 @@ class TopClassShare(Metric):
         return self.predicted.max() / self.predicted.sum().clamp_min(1)
 
     def collapsed(self) -> tuple[bool, str]:
-        """(True, what) when one class takes ≥ 95% of the predictions but less than that of the labels."""
+        """(True, what) when one class takes ≥ 95% of the predictions but less than that of the labels; over every
+        process inside ``with metric.sync_context():``, this process's alone outside."""
         total = int(self.predicted.sum())
         if total == 0:
             return False, ""

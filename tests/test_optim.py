@@ -63,3 +63,30 @@ def test_fused_adam_is_kept_off_under_fp16_mixed_precision(monkeypatch):
     module.__dict__["_trainer"] = SimpleNamespace(precision="16-mixed")  # the trainer's precision reaches the decision
     module.build_optimizer()
     assert seen == ["16-mixed"]
+
+
+def test_train_lr_is_the_modules_nominal_rate_as_scheduled_even_beside_muon():
+    """train/lr is --model.lr times the schedule's factor — not Muon's rate, a role scale or a shape factor, which a
+    parameter group's rate carries."""
+    import lightning as L
+
+    from stability.classifier import ImageClassifier
+    from stability.data import Digits
+
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((pl_module.global_step - 1, float(trainer.callback_metrics["train/lr"])))
+
+    L.seed_everything(0)
+    module = ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2), lr=3e-3,
+                             warmup_epochs=0.5, stabilizer="muon",
+                             stabilizer_options={"muon": {"lr": 0.02, "update_scales": {"mlp": 0.5}}})
+    trainer = L.Trainer(max_epochs=2, limit_train_batches=4, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=1, callbacks=[Record()])
+    trainer.fit(module, Digits(batch_size=32))
+    assert len(seen) == 8
+    for step, logged in seen:
+        assert logged == pytest.approx(3e-3 * lr_factor(step, 8, 2, "cosine", 0.0), rel=1e-6), (step, logged)
