@@ -7,8 +7,9 @@ in one process: what the suite's loop (Lightning, its callbacks, logging, the da
 
 `stability fit` is built exactly as the command builds it (StabilityCLI: the config, the default callbacks, the data
 module and its loader) and timed over ``--steps`` training steps after ``--warmup``; the hand-written loop trains a
-fresh copy of the same network (same seed) with ``torch.optim.AdamW`` (fused on CUDA), the same learning-rate schedule
-and precision, on batches from the same data module's loader and augmentation — no callbacks, no logging. CIFAR data
+fresh copy of the same network (same seed) with the optimizer and learning-rate schedule the module builds
+(``torch.optim.AdamW``, fused on CUDA, on its parameter groups; its LambdaLR, stepped every step) and the same
+precision, on batches from the same data module's loader and augmentation — no callbacks, no logging. CIFAR data
 that is not on disk is replaced by random images in the official pickle format (the loader and its costs are the
 same). Target: `stability fit` ≥ 90% of the hand-written loop's images/s.
 """
@@ -79,15 +80,23 @@ def time_stability_fit(cli: StabilityCLI, warmup: int, steps: int) -> float:
     return clock.seconds
 
 
+def hand_written_optimizer(cli: StabilityCLI, module: L.LightningModule):
+    """The optimizer and learning-rate schedule `stability fit` trains with, built by the module for a fresh copy of
+    its network: AdamW (fused on CUDA) on its parameter groups (no decay on biases, norms and tokens) and the same
+    LambdaLR (warmup, then the configured decay over the run's steps) — stepped by hand below, every step."""
+    module.trainer = cli.trainer  # the run's length and precision, as the fit saw them
+    configured = module.configure_optimizers()
+    return configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+
+
 def time_hand_written(cli: StabilityCLI, warmup: int, steps: int, device: torch.device, precision: str) -> float:
-    """The same network (rebuilt from the same seed), AdamW, the module's schedule, autocast as the precision says."""
+    """The same network (rebuilt from the same seed), the module's optimizer and schedule, autocast as the precision
+    says."""
     L.seed_everything(cli.config.get("seed_everything") or 0)
     hparams = {k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}
     module = type(cli.model)(**hparams).to(device).train()
     network = module.network
-    hp = module.hparams
-    optimizer = torch.optim.AdamW(network.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer, schedule = hand_written_optimizer(cli, module)
     data = cli.datamodule
     data.setup("fit")
     loader = data.train_dataloader()
@@ -108,6 +117,7 @@ def time_hand_written(cli: StabilityCLI, warmup: int, steps: int, device: torch.
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            schedule.step()
             step += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,6 +64,30 @@ def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path)
     rows = {row[0]: row for row in table_rows(text)}
     assert rows["hand-written loop (AdamW)"][3] == "1.00"
     assert float(rows["stability fit (default callbacks)"][2]) > 0 and "target ≥ 90%" in text
+
+
+def test_the_hand_written_loop_steps_the_schedule_its_docstring_claims(tmp_path):
+    """The loop's optimizer and LambdaLR are the module's own: warmup, then the configured decay, every step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import lightning as L
+    from loop_overhead import build, hand_written_optimizer
+
+    from stability.optim import lr_factor
+
+    cli = build(str(ROOT / "configs/vit_digits.yaml"), "cpu", "data", str(tmp_path / "run"),
+                ["--trainer.max_steps", "20", "--trainer.max_epochs", "2", "--model.warmup_epochs", "0.5",
+                 "--model.backbone_options",
+                 "{embed_dim: 16, depth: 1, num_heads: 2}"])
+    L.seed_everything(0)
+    optimizer, schedule = hand_written_optimizer(cli, cli.model)
+    total = int(cli.trainer.estimated_stepping_batches)
+    warmup = round(0.5 * total / cli.trainer.max_epochs)
+    assert total == 20 and warmup > 0 and {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.05}
+    for step in range(total):
+        expected = cli.model.hparams.lr * lr_factor(step, total, warmup, "cosine", 0.0)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12), step
+        optimizer.step()
+        schedule.step()
 
 
 def test_estimator_accuracy_power_iteration_never_exceeds_the_exact_norm(tmp_path):
