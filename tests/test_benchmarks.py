@@ -101,8 +101,9 @@ def test_estimator_accuracy_power_iteration_never_exceeds_the_exact_norm(tmp_pat
 def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     """The script's own logic (a fit and its checks, the GPU-vs-CPU comparison, the report, sections run in separate
     calls and kept), run on the CPU against itself: it proves nothing about a GPU, but a GPU session finds no bug of
-    the script's own. ``--quick`` runs every section inside its budget; with budgets too small to finish, each
-    section stops, says so, and the report keeps what was done."""
+    the script's own. ``--quick`` runs every section inside its budget (FlexAttention's compilation counted); with
+    budgets too small to finish, each section stops, says it was cut (not a failure of the suite), and the report keeps
+    what was done."""
     out = tmp_path / "check.md"
 
     def check(*args: str, status: int = 0) -> None:
@@ -125,9 +126,11 @@ def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     state = __import__("json").loads(out.with_suffix(".json").read_text())
     assert state["runs"]["quick"] and not state["compare"]["quick"]  # the other sections keep their last results
     assert "| spectral_norm | swin |" in out.read_text()
-    check("--quick", "--sections", "runs,compare", "--cases", "none:vit", "--budget_scale", "0.0001", status=1)
+    # a budget too small to finish: each section stops and says so — cut, not failed (status 3, not 1)
+    check("--quick", "--sections", "runs,compare", "--cases", "none:vit", "--budget_scale", "0.0001", status=3)
     state = __import__("json").loads(out.with_suffix(".json").read_text())
     assert state["runs"]["rows"][0]["problems"] in (["cut at the section's budget"],
                                                     ["not started: the section's budget was spent"])
     assert state["compare"]["rows"][0]["worst"] == "not run: the section's budget was spent"
-    assert "## runs: FAILED" in out.read_text()
+    text = out.read_text()
+    assert "## runs: cut at its budget" in text and "## compare: cut at its budget" in text and "FAILED" not in text
