@@ -100,6 +100,27 @@ def checkpoint_defaults(ckpt_path: str) -> dict[str, Any]:
     return defaults
 
 
+def argument_value(argv: list[str], option: str) -> str | None:
+    """The value of ``--option X`` or ``--option=X`` in ``argv`` (the last one given), else None."""
+    found = None
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key == option:
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found
+
+
+def checkpoint_data_class(argv: list[str]) -> str | None:
+    """The data class stored in the checkpoint ``--ckpt_path`` names (None: no readable checkpoint, or none stored)."""
+    path = argument_value(argv, "--ckpt_path")
+    if not path or not Path(path).is_file():
+        return None
+    import torch
+
+    ckpt = torch.load(path, weights_only=True, map_location="cpu")
+    return ckpt.get("datamodule_hyper_parameters", {}).get("_class_path")
+
+
 def requested_data_class(argv: list[str]) -> str | None:
     """The data class named by ``--data X`` or by ``data: class_path`` in a ``--config`` file (last wins)."""
     found = None
@@ -167,15 +188,18 @@ class StabilityCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         """Parse with two changes of defaults:
 
-        * the data class asked for (``--data X`` or ``data: class_path`` in a ``--config``) is made the
-          default before parsing, so that its own defaults apply — jsonargparse otherwise carries the
-          options the classes share (e.g. Digits' ``random_crop: 0`` into CIFAR10) over from the
-          default class, in the run and in ``--print_config`` alike;
+        * the data class asked for (``--data X`` or ``data: class_path`` in a ``--config``), else the one stored in
+          the ``--ckpt_path`` checkpoint, is made the default before parsing, so that its own defaults apply and
+          its options parse (``stability test --ckpt_path X --data.root DIR`` without restating ``--data MNIST``) —
+          jsonargparse otherwise parses them against the default class (Digits has no ``root``) and carries the
+          options the classes share (e.g. Digits' ``random_crop: 0`` into CIFAR10) over from it, in the run and in
+          ``--print_config`` alike;
         * with ``--ckpt_path``, parse again with the checkpoint's model, stabilizer and data settings
           as defaults, so the network is rebuilt as trained and command-line overrides still win.
         """
         if not isinstance(args, (dict, Namespace)):
-            data_class = requested_data_class(sys.argv[1:] if args is None else list(args))
+            argv = sys.argv[1:] if args is None else list(args)
+            data_class = requested_data_class(argv) or checkpoint_data_class(argv)
             if data_class is not None:
                 for subparser in list(getattr(self, "_subcommand_parsers", {}).values()) or [parser]:
                     subparser.set_defaults({"data": {"class_path": data_class}})
@@ -227,7 +251,12 @@ class StabilityCLI(LightningCLI):
                 extra["purge_step"] = checkpoint_step(checkpoint)
             kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name, version=version,
                                                  default_hp_metric=False, **extra)
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand not in (None, "fit"):
+            # test / validate / predict save no checkpoint: without the callback, restoring the checkpoint's own
+            # callback state no longer warns that its directory "has changed" (noise to a user)
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+        return trainer
 
     @staticmethod
     def _resume_point(ckpt_path: str, runs: Path, version: str | None) -> tuple[Path, str | None]:

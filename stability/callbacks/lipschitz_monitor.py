@@ -24,6 +24,7 @@ import math
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .. import tags
 from ..lipschitz import empirical_lower_bound, jacobian_norm
@@ -31,6 +32,7 @@ from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
 from ..nn.spectral import rms_scale, spectral_norms
 from ..robustness.attacks import evaluating, gradients_allowed
 from .bounds import exact_certificate
+from .measuring import MeasurementInterrupted, Session, results_path, store_key
 from .points import dataset_of, has_finite_weights, measure_batches, point_count
 from .precision import float32_network
 
@@ -87,8 +89,19 @@ class LipschitzMonitor(L.Callback):
         dataset = dataset_of(loaders)
         count = point_count(dataset, num_points)
         with float32_network(pl_module.network) as network:
-            batches = measure_batches(dataset, count, self.batch_size, pl_module.device,
-                                      lambda index, images, _: self.measure_points(network, index, images))
+            store = None
+            if stage == "test" and (path := results_path(trainer)) is not None:
+                store = path.parent / "measurements" / ("lipschitz-" + store_key(
+                    network, self.iterations, self.exclude_patch_embed, self.lower_bound, self.attention,
+                    self.attention_points, count, self.batch_size, len(dataset)))
+            session = Session.of(trainer, f"lipschitz ({stage})", store)
+            try:
+                batches = measure_batches(dataset, count, self.batch_size, pl_module.device,
+                                          lambda index, images, _: self.measure_points(network, index, images),
+                                          session, "local Lipschitz estimates", network)
+            except MeasurementInterrupted as stopped:
+                self._interrupted(stage, stopped, count)
+                return
             values = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
             metrics: dict[str, float] = {}
             for key in ("local", "local_noembed"):
@@ -114,12 +127,18 @@ class LipschitzMonitor(L.Callback):
                     with evaluating(network):
                         return point_statistics(network, images)
 
-                per_point = measure_batches(dataset, attention_count, self.batch_size, pl_module.device, diagnostics)
+                try:
+                    per_point = measure_batches(dataset, attention_count, self.batch_size, pl_module.device,
+                                                diagnostics, session, "attention diagnostics", network)
+                except MeasurementInterrupted as stopped:
+                    self._interrupted(stage, stopped, count)
+                    return
                 attention, rows = self._attention(per_point)
                 logged.update(attention)
                 histograms.update(rows)
             if self.weights and trainer.is_global_zero:
                 logged.update(_weight_norms(network))
+        session.finished()
         self.last_results[stage] = {
             "points": count, **metrics,
             "certified_bound": None if bound is None else {"value": bound.value, "label": bound.label,
@@ -130,6 +149,16 @@ class LipschitzMonitor(L.Callback):
                 if hasattr(logger.experiment, "add_histogram"):
                     for tag, value in histograms.items():
                         logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
+
+    def _interrupted(self, stage: tags.Stage, stopped: MeasurementInterrupted, count: int) -> None:
+        """SIGTERM during a measurement: during fit, this validation's estimates are dropped (the fit stops at its next
+        step); at test, the run stops (exit 143) with what was measured said in results.json, and a rerun resumes from
+        the finished batches."""
+        done = f"{stopped.name} stopped by SIGTERM after {stopped.points} of {count} points"
+        rank_zero_info(f"lipschitz ({stage}): {done}" + ("; not logged" if stage != "test" else ""))
+        if stage == "test":
+            self.last_results[stage] = {"points": stopped.points, "interrupted": done, "complete": False}
+            raise SIGTERMException
 
     def _attention(self, per_point: list[dict[str, dict[str, torch.Tensor]]]
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:

@@ -9,11 +9,15 @@ process and on several, and no point is measured twice.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .measuring import Session
 
 
 def dataset_of(loaders) -> Any:
@@ -70,10 +74,38 @@ def gather_batches(local: dict[int, Any]) -> list[Any]:
 
 
 def measure_batches(dataset, count: int, batch_size: int, device: torch.device,
-                    measure: Callable[[int, torch.Tensor, torch.Tensor], Any]) -> list[Any]:
-    """``measure(batch index, images, labels)`` on this process's batches, gathered from all."""
-    return gather_batches({index: measure(index, *load(dataset, start, stop, device))
-                           for index, start, stop in my_batches(count, batch_size)})
+                    measure: Callable[[int, torch.Tensor, torch.Tensor], Any], session: Session | None = None,
+                    name: str = "", network: torch.nn.Module | None = None) -> list[Any]:
+    """``measure(batch index, images, labels)`` on this process's batches, gathered from all.
+
+    With a :class:`~stability.callbacks.measuring.Session`: a progress bar and a log line named ``name``, batches
+    kept from an interrupted run loaded instead of measured (and each finished one kept), and a stop signal honoured
+    between batches and at every forward pass of ``network`` (:class:`~.measuring.MeasurementInterrupted`)."""
+    if session is None:
+        return gather_batches({index: measure(index, *load(dataset, start, stop, device))
+                               for index, start, stop in my_batches(count, batch_size)})
+    local: dict[int, Any] = {}
+    points = resumed = 0
+    bar = session.bar(name, count)
+    started = time.perf_counter()
+    try:
+        for index, start, stop in my_batches(count, batch_size):
+            result = session.load(name, index)
+            if result is None:
+                session.check(name, local, points)
+                with session.interruptible(network, name, local, points):
+                    result = measure(index, *load(dataset, start, stop, device))
+                session.save(name, index, result)
+            else:
+                resumed += stop - start
+            local[index] = result
+            points += stop - start
+            bar.update(stop - start)
+    finally:
+        bar.close()
+    gathered = gather_batches(local)
+    session.said(name, count, time.perf_counter() - started, resumed)
+    return gathered
 
 
 def _to_cpu(value: Any) -> Any:

@@ -12,33 +12,24 @@ import json
 import shlex
 import sys
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 
 from .. import tags
 from .lipschitz_monitor import LipschitzMonitor
+from .measuring import results_path
 from .robustness_monitor import RobustnessMonitor
-
-RESULTS_FILE = "results.json"
-
-
-def results_path(trainer) -> Path | None:
-    """Beside the tested checkpoint: the one given to ``test``, else the run's last checkpoint, else
-    the run directory."""
-    candidates = [trainer.ckpt_path]
-    checkpoint = getattr(trainer, "checkpoint_callback", None)
-    if checkpoint is not None:
-        candidates += [checkpoint.last_model_path, checkpoint.best_model_path]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file():
-            return Path(candidate).parent / RESULTS_FILE
-    return Path(trainer.log_dir) / RESULTS_FILE if trainer.log_dir else None
 
 
 class TestResults(L.Callback):
     """Writes ``results.json`` at the end of every test (on the first process only)."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A test stopped by SIGTERM during a measurement still says what it measured (``complete``: false)."""
+        monitors = [c for c in trainer.callbacks if isinstance(c, (RobustnessMonitor, LipschitzMonitor))]
+        if trainer.testing and any(m.last_results.get("test", {}).get("complete") is False for m in monitors):
+            self.on_test_end(trainer, pl_module)
 
     def on_test_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
@@ -57,7 +48,9 @@ class TestResults(L.Callback):
         lipschitz = next((c for c in trainer.callbacks if isinstance(c, LipschitzMonitor)), None)
         hparams = dict(pl_module.hparams)
         datamodule = getattr(trainer, "datamodule", None)
+        records = [m.last_results.get("test") for m in (robustness, lipschitz) if m is not None]
         return {
+            "complete": not any(r and r.get("complete") is False for r in records),
             "clean_accuracy": None if accuracy is None else float(accuracy),
             "test_points": _test_points(trainer),
             "robustness": (robustness.last_results.get("test") if robustness else None),

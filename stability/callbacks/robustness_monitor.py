@@ -21,12 +21,14 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .. import tags
 from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
 from .bounds import exact_certificate
-from .points import dataset_of, has_finite_weights, measure_batches, point_count
+from .measuring import MeasurementInterrupted, Session, format_seconds, results_path, seconds_per_point, store_key
+from .points import dataset_of, has_finite_weights, load, measure_batches, point_count
 from .precision import float32_network
 
 
@@ -114,35 +116,104 @@ class RobustnessMonitor(L.Callback):
                                   self.seed)
         with float32_network(pl_module.network) as network:
             bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64: rounding shrinks radii
+            store = None
+            if stage == "test" and (path := results_path(trainer)) is not None:
+                store = path.parent / "measurements" / ("robustness-" + store_key(
+                    network, settings, [(s.label, prefix[s.label]) for s in specs], count, self.batch_size,
+                    len(dataset)))
+            session = Session.of(trainer, f"robustness ({stage})", store)
 
-            def measure(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-                start = index * self.batch_size
+            def clean(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
                 out = evaluate_batch(network, images, labels, [], settings, index)  # clean, on every point
-                for spec in specs:  # each attack on the points of this batch inside its prefix
-                    inside = max(0, min(len(labels), prefix[spec.label] - start))
-                    if inside:
-                        out[spec.label] = survivors(network, images[:inside], labels[:inside], spec, settings, index)
                 if bound is not None:
                     with evaluating(exact), torch.no_grad():
                         out["radius"] = certified_radii(exact(images.double()), labels, bound)
                 return out
 
-            batches = measure_batches(dataset, count, self.batch_size, pl_module.device, measure)
-        masks = {key: torch.cat([b[key] for b in batches if key in b])
-                 for key in dict.fromkeys(k for b in batches for k in b) if key != "radius"}
+            def attack(spec: AttackSpec):
+                def measure(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+                    return {spec.label: survivors(network, images, labels, spec, settings, index)}
+                return measure
+
+            batches_of: dict[str, list] = {}
+            try:
+                name = "clean and certified" if bound is not None else "clean"
+                batches_of["clean"] = measure_batches(dataset, count, self.batch_size, pl_module.device, clean,
+                                                      session, name, exact)
+                if specs:
+                    self._say_plan(network, dataset, specs, prefix, count, settings, pl_module.device, stage)
+                for spec in specs:  # each attack over its points in turn: batch b attacked with seed + b, as ever
+                    batches_of[spec.label] = measure_batches(dataset, prefix[spec.label], self.batch_size,
+                                                             pl_module.device, attack(spec), session, spec.label,
+                                                             network)
+            except MeasurementInterrupted as stopped:
+                self._interrupted(trainer, pl_module, stage, stopped, batches_of, count, specs, prefix, bound,
+                                  dataset, session)
+                return
+        session.finished()
+        self._record(trainer, pl_module, stage, _concatenated(batches_of), specs, prefix, count, bound, reason,
+                     dataset)
+
+    def _say_plan(self, network, dataset, specs, prefix, count, settings, device, stage: tags.Stage) -> None:
+        """One line before the first attack: what runs on how many points, an estimate of its time on this machine
+        (one forward and backward pass per point, measured now, times the passes each attack makes at most — points
+        that fall are attacked no further), and the options that limit it."""
+        images, labels = load(dataset, 0, min(count, 64), device)
+        per_pass = seconds_per_point(network, images, labels)
+        parts, seconds = [], 0.0
+        for spec in specs:
+            passes = attack_passes(spec, settings)
+            seconds += passes * prefix[spec.label] * per_pass
+            parts.append(f"{spec.label} on {prefix[spec.label]}")
+        limits = "--robustness.test_num_points, --robustness.attack_num_points, --robustness.autoattack_num_points" \
+            if stage == "test" else "--robustness.num_points, --robustness.every_n_epochs"
+        rank_zero_info(f"robustness ({stage}): {', '.join(parts)} points — at most ≈ {format_seconds(seconds)} on this "
+                       f"machine ({per_pass * 1e3:.3g} ms a forward and backward pass per point); limit it with "
+                       f"{limits}")
+
+    def _interrupted(self, trainer, pl_module, stage: tags.Stage, stopped: MeasurementInterrupted,
+                     batches_of: dict[str, list], count: int, specs, prefix, bound, dataset, session) -> None:
+        """SIGTERM during a measurement. At test: the points measured so far are recorded (each with its number of
+        points; results.json says the run is incomplete), the finished batches stay for a rerun to resume from, and
+        the run stops (exit status 143). During fit: this validation's measurement is dropped and the fit stops at its
+        next step, as Lightning stops it, after the checkpoint of this epoch."""
+        done = f"{stopped.name} stopped by SIGTERM after {stopped.points} points"
+        if stage != "test":
+            rank_zero_info(f"robustness (fit): {done}; this validation's robustness is not logged")
+            return
+        partial = dict(batches_of)
+        if stopped.completed:
+            partial[stopped.name] = [stopped.completed[i] for i in sorted(stopped.completed)]
+        measured = {label: sum(len(next(iter(b.values()))) for b in parts) for label, parts in partial.items()}
+        if "clean" in measured and measured["clean"] == count:
+            points = {s.label: measured.get(s.label, 0) for s in specs}
+            self._record(trainer, pl_module, stage, _concatenated(partial), [s for s in specs if points[s.label]],
+                         points, count, bound, "", dataset, log=False)
+        else:
+            self.last_results[stage] = {"points": measured.get("clean", 0)}
+        self.last_results[stage].update(interrupted=done, complete=False)
+        rank_zero_info(f"robustness (test): {done}; what was measured is in results.json, and rerunning the same "
+                       f"command resumes from the {sum(measured.values())} point-measurements kept in "
+                       f"{session.store}")
+        raise SIGTERMException
+
+    def _record(self, trainer, pl_module, stage: tags.Stage, masks: dict[str, torch.Tensor], specs, prefix, count,
+                bound, reason, dataset, log: bool = True) -> None:
+        radii = masks.pop("radius", None)
+        attacked = max((prefix[s.label] for s in specs if not s.name.startswith("autoattack")), default=count)
+        aa_count = max((prefix[s.label] for s in specs if s.name.startswith("autoattack")), default=attacked)
         input_size = int(torch.as_tensor(dataset[0][0]).numel())
         metrics = accuracies({**masks, **worst_case(masks, specs)})
         if any(not s.name.startswith("autoattack") for s in specs) and attacked < count:
             metrics["attack_clean"] = float(masks["clean"][:attacked].float().mean())
         if any(s.name.startswith("autoattack") for s in specs) and aa_count < count:
             metrics["autoattack_clean"] = float(masks["clean"][:aa_count].float().mean())
-        radii = torch.cat([b["radius"] for b in batches]) if bound is not None else None
         if radii is not None:
             budgets = [("L2", r) for r in self.certified_radii] + [(s.norm, s.eps) for s in specs if s.norm != "L1"]
             for norm, eps in budgets:
                 certified = certified_at(radii, l2_radius(norm, eps, input_size))
                 metrics[f"acc_{budget_label(norm, eps)}"] = float(certified.float().mean())
-        elif not self._said_no_bound:
+        elif not self._said_no_bound and reason:
             rank_zero_info(f"robustness: no certified accuracy is logged ({reason})")
             self._said_no_bound = True
         robust = {f"{tags.group(tags.ROBUST, stage)}/{k}": v for k, v in metrics.items() if not k.startswith("acc_")}
@@ -159,10 +230,30 @@ class RobustnessMonitor(L.Callback):
                         for s in specs},
             "autoattack_version": self.autoattack_version,
         }
-        if trainer.is_global_zero:
+        if log and trainer.is_global_zero:
             pl_module.log_dict({**robust, **certified}, sync_dist=True, rank_zero_only=True)
             if radii is not None:
                 for logger in trainer.loggers:
                     if hasattr(logger.experiment, "add_histogram"):
                         logger.experiment.add_histogram(f"{tags.group(tags.CERTIFIED, stage)}/radius",
                                                         radii.float(), trainer.global_step)
+
+
+def _concatenated(batches_of: dict[str, list[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Each measurement's per-point values, its batches put end to end: {"clean", "radius", <attack label>: (n,)}."""
+    return {key: torch.cat([b[key] for b in parts]) for parts in batches_of.values() if parts
+            for key in parts[0]}
+
+
+def attack_passes(spec: AttackSpec, settings: AttackSettings) -> int:
+    """How many forward-and-backward passes an attack makes per point at most (points that fall are attacked no
+    further): FGSM one, PGD its steps; the official AutoAttack standard: APGD-CE 100, APGD-T 9 targets × 100, FAB-T
+    9 × 100, Square 5,000 queries of a forward pass (≈ a third of a pass each) — ≈ 3,600; plus runs more restarts
+    (≈ 2×), rand EOT over 20 draws (APGD-CE and -DLR: 4,000); torchattacks' 10-iteration version ≈ 1,900."""
+    if spec.name == "fgsm":
+        return 1
+    if spec.name == "pgd":
+        return settings.pgd_steps + 1
+    if spec.name == "autoattack_tap":
+        return 1900
+    return {"standard": 3600, "plus": 7200, "rand": 4000}[settings.autoattack_version]

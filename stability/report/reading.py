@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from .. import tags
-from ..callbacks.results_file import RESULTS_FILE
+from ..callbacks.measuring import RESULTS_FILE
 
 NOT_ATTACKS = ("clean", "attack_clean", "autoattack_clean")  # accuracies logged beside the attacks that are no attack
 

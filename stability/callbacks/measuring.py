@@ -1,0 +1,193 @@
+"""How a long measurement runs (:func:`~stability.callbacks.points.measure_batches` with a :class:`Session`):
+
+* **progress**: one bar per measurement, in the style of Lightning's own (tqdm: points done of the total, rate, ETA),
+  only where the progress bar is on and on the first process; and, bar or not, one log line per measurement when it
+  ends (points, seconds, points/s);
+* **SIGTERM honoured within seconds**: every forward pass of the measured network checks Lightning's SIGTERM flag
+  (and the batches between them), so an attack — the official AutoAttack's hundreds of passes per batch included —
+  stops at its next forward: :class:`MeasurementInterrupted`, carrying what was measured so far;
+* **resume** (at test): every finished batch is kept under ``<checkpoint dir>/measurements/<key>/``, ``key`` a digest
+  of the network's weights and of what is measured; rerunning the same ``stability test`` loads those batches instead
+  of measuring them again — a batch's outcome depends only on its index (its seed), so the resumed numbers are those
+  of an uninterrupted run. The folder is removed once the whole test has been measured.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+RESULTS_FILE = "results.json"  # beside the tested checkpoint (results_file.py writes it)
+
+
+class MeasurementInterrupted(Exception):
+    """A stop signal (SIGTERM) arrived during a measurement. ``completed``: {batch index: result} of this process's
+    finished batches, ``points``: how many points they hold, ``name``: the measurement."""
+
+    def __init__(self, name: str, completed: dict[int, Any], points: int) -> None:
+        super().__init__(f"{name}: stopped after {points} points")
+        self.name, self.completed, self.points = name, completed, points
+
+
+@dataclass
+class Session:
+    """What a monitor's measurements at one stage share.
+
+    Args:
+        label: the monitor and stage, e.g. ``robustness (test)``, for the bars and log lines.
+        show_bar: draw progress bars (the trainer's progress bar is on, and this is the first process).
+        should_stop: True once the run was asked to stop (Lightning's ``trainer.received_sigterm``).
+        store: the folder finished batches are kept in for a resumed run (None: not kept).
+    """
+
+    label: str
+    show_bar: bool = False
+    should_stop: Callable[[], bool] = lambda: False
+    store: Path | None = None
+    lines: list[str] = field(default_factory=list)  # the log lines written, in order
+
+    @classmethod
+    def of(cls, trainer, label: str, store: Path | None = None) -> Session:
+        show = trainer.progress_bar_callback is not None and trainer.is_global_zero
+        return cls(label, show, lambda: bool(getattr(trainer, "received_sigterm", False)), store)
+
+    def check(self, name: str, completed: dict[int, Any], points: int) -> None:
+        if self.should_stop():
+            raise MeasurementInterrupted(name, completed, points)
+
+    @contextlib.contextmanager
+    def interruptible(self, network: nn.Module | None, name: str, completed: dict[int, Any],
+                      points: int) -> Iterator[None]:
+        """Every forward pass of ``network`` inside the block first checks the stop signal."""
+        if network is None:
+            yield
+            return
+
+        def hook(module, args):
+            self.check(name, completed, points)
+
+        handle = network.register_forward_pre_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    # ------------------------------------------------------------------------------------------------- resume
+    def _path(self, name: str, index: int) -> Path | None:
+        if self.store is None:
+            return None
+        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+        return self.store / f"{safe}.batch{index}.pt"
+
+    def load(self, name: str, index: int) -> Any | None:
+        path = self._path(name, index)
+        if path is None or not path.is_file():
+            return None
+        return torch.load(path, weights_only=True)
+
+    def save(self, name: str, index: int, result: Any) -> None:
+        path = self._path(name, index)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".part")
+        torch.save(result, partial)
+        os.replace(partial, path)  # a batch is kept whole or not at all
+
+    def finished(self) -> None:
+        """The whole measurement is done: its kept batches are no longer needed."""
+        if self.store is not None and self.store.is_dir():
+            shutil.rmtree(self.store, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the measurements/ folder too, once no other monitor keeps anything
+                self.store.parent.rmdir()
+
+    # ----------------------------------------------------------------------------------------------- progress
+    def bar(self, name: str, total: int):
+        if not self.show_bar:
+            return _NoBar()
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=f"{self.label} {name}", unit="pt", leave=False, dynamic_ncols=True,
+                    file=sys.stdout, smoothing=0)
+
+    def said(self, name: str, points: int, seconds: float, resumed: int = 0) -> None:
+        rate = (points - resumed) / seconds if seconds > 0 and points > resumed else float("nan")
+        kept = f", {resumed} of them kept from an interrupted run" if resumed else ""
+        line = f"{self.label}: {name} on {points} points in {format_seconds(seconds)} ({rate:.3g} points/s{kept})"
+        self.lines.append(line)
+        rank_zero_info(line)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def results_path(trainer) -> Path | None:
+    """Beside the tested checkpoint: the one given to ``test``, else the run's last checkpoint, else
+    the run directory."""
+    candidates = [trainer.ckpt_path]
+    checkpoint = getattr(trainer, "checkpoint_callback", None)
+    if checkpoint is not None:
+        candidates += [checkpoint.last_model_path, checkpoint.best_model_path]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return Path(candidate).parent / RESULTS_FILE
+    return Path(trainer.log_dir) / RESULTS_FILE if trainer.log_dir else None
+
+
+def format_seconds(seconds: float) -> str:
+    """``42 s``, ``3 min 5 s``, ``2 h 4 min``."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+
+
+def store_key(network: nn.Module, *what: Any) -> str:
+    """A digest of the network's weights and of what is measured (settings, points, stage): batches kept under it
+    are valid only for exactly that measurement."""
+    digest = hashlib.sha1()
+    for name, tensor in network.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(repr(what).encode())
+    return digest.hexdigest()[:16]
+
+
+def seconds_per_point(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """The time of one forward and backward pass of ``network`` per point, measured on ``images`` (the unit of an
+    attack's cost)."""
+    from ..robustness.attacks import evaluating, gradients_allowed
+
+    with gradients_allowed(), evaluating(network):
+        x, labels = images.detach().clone().requires_grad_(True), labels.clone()  # ordinary tensors
+        for timed in (False, True):
+            if timed:
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+                started = time.perf_counter()
+            loss = nn.functional.cross_entropy(network(x), labels)
+            torch.autograd.grad(loss, x)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+    return (time.perf_counter() - started) / max(1, len(labels))
+
+
+__all__ = ["MeasurementInterrupted", "Session", "format_seconds", "results_path", "seconds_per_point", "store_key"]
