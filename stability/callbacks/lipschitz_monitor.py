@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from .. import tags
 from ..lipschitz import empirical_lower_bound, jacobian_norm
 from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
+from ..lipschitz.pairs import certified_pair_constants, margin_lower_bound
 from ..nn.spectral import rms_scale, spectral_norms
 from ..robustness.attacks import evaluating, gradients_allowed
 from .bounds import exact_certificate
@@ -41,12 +42,17 @@ class LipschitzMonitor(L.Callback):
     """Args: every_n_epochs (0: off, also at test), num_points during fit, test_num_points at test
     (None: all), power ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``,
     ``weights``, ``attention`` (the diagnostics) on ``attention_points`` points, ``per_head`` scalars,
-    ``batch_size`` points per batch."""
+    ``batch_size`` points per batch; ``pair_points``: at test, the margins' global lower bound by gradient ascent on
+    pairs from that many points (GloRo's tool, ``pair_steps`` Adam steps; 0: off), against the certified per-pair
+    constants (``margin_lower_bound``, ``margin_bound``, ``margin_tightness``)."""
 
     def __init__(self, every_n_epochs: int = 1, num_points: int = 64, test_num_points: int | None = None,
                  iterations: int = 10, exclude_patch_embed: bool = False, lower_bound: bool = True,
                  weights: bool = True, attention: bool = True, attention_points: int = 16, per_head: bool = False,
-                 batch_size: int = 64) -> None:
+                 batch_size: int = 64, pair_points: int = 0, pair_steps: int = 200) -> None:
+        if pair_points < 0 or pair_steps < 1:
+            raise ValueError(f"need pair_points >= 0 (0: off) and pair_steps >= 1; got {pair_points}, {pair_steps}")
+        self.pair_points, self.pair_steps = pair_points, pair_steps
         if every_n_epochs < 0 or num_points < 1 or iterations < 1 or batch_size < 1 or attention_points < 1:
             raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1, iterations >= 1, batch_size >= 1 "
                              f"and attention_points >= 1; got {every_n_epochs}, {num_points}, {iterations}, "
@@ -115,6 +121,8 @@ class LipschitzMonitor(L.Callback):
             if bound is not None and bound.value > 0:  # 0: a constant network (a zero-initialised head)
                 metrics["certified_log10"] = math.log10(bound.value)
                 metrics["certified_tightness"] = bound.value / float(values["local"].max())
+                if stage == "test" and self.pair_points:
+                    metrics.update(self._pairs(dataset, count, network, bound, pl_module, session))
             elif bound is None and not self._said_no_bound:
                 rank_zero_info(f"lipschitz: this model has no certified global bound ({reason}); only local "
                                f"estimates are logged")
@@ -149,6 +157,25 @@ class LipschitzMonitor(L.Callback):
                 if hasattr(logger.experiment, "add_histogram"):
                     for tag, value in histograms.items():
                         logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
+
+    def _pairs(self, dataset, count: int, network, bound, pl_module, session) -> dict[str, float]:
+        """The margins' lower bound from pairs against the certified per-pair constants (lipschitz/pairs.py)."""
+        k = certified_pair_constants(bound, pl_module.hparams.num_classes)
+
+        def ascent(index, images, _):
+            with evaluating(network):
+                ratio, pair = margin_lower_bound(network, images, self.pair_steps, seed=index)
+            return {"ratio": ratio, "pair": pair}
+
+        batches = measure_batches(dataset, min(count, self.pair_points), self.batch_size, pl_module.device, ascent,
+                                  session, "margin lower bound (pairs)", network)
+        ratio = torch.cat([b["ratio"] for b in batches]).double()
+        pair = torch.cat([b["pair"] for b in batches])
+        certified_of_pair = k[pair[:, 0].cpu(), pair[:, 1].cpu()]
+        best = int(ratio.argmax())
+        return {"margin_lower_bound": float(ratio[best]), "margin_bound": float(k.max()),
+                "margin_tightness": float(k.max() / ratio[best]) if ratio[best] > 0 else float("inf"),
+                "margin_pair_tightness_min": float((certified_of_pair / ratio.clamp_min(1e-300)).min())}
 
     def _interrupted(self, stage: tags.Stage, stopped: MeasurementInterrupted, count: int) -> None:
         """SIGTERM during a measurement: during fit, this validation's estimates are dropped (the fit stops at its next

@@ -1,0 +1,34 @@
+"""The margins' lower bound by gradient ascent on pairs (GloRo's tool): every ratio it finds is a pair of real points,
+so it never exceeds the certified per-pair constant of a sound bound (on the convolutional anchor and the certified
+transformer, at random weights), and the ascent finds more than its starting pair."""
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.lipschitz.certified import certified_bound
+from stability.lipschitz.pairs import certified_pair_constants, margin_lower_bound
+
+CERTIFIED_VIT = {"lipschitz_transformer": {"attention": "l2_unit", "activation": "maxmin", "pooling": "flatten",
+                                           "zero_init": False}}
+
+
+@pytest.mark.parametrize("backbone, stabilizer, options", [("lipcnn", "none", None),
+                                                          ("vit", "lipschitz_transformer", CERTIFIED_VIT)])
+def test_the_pairs_found_never_exceed_the_certified_constants_and_the_ascent_climbs(backbone, stabilizer, options):
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone=backbone, stabilizer=stabilizer, stabilizer_options=options,
+                             backbone_options={} if backbone == "lipcnn" else dict(embed_dim=16, depth=2,
+                                                                                    num_heads=1))
+    network = module.network.eval()
+    with torch.no_grad():
+        for p in network.parameters():  # generic weights (AOL and the caps keep the bound sound whatever they are)
+            if p.ndim >= 2:
+                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
+    bound, reason = certified_bound(network)
+    assert bound is not None, reason
+    k = certified_pair_constants(bound, 10)
+    images = torch.rand(8, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    first, _ = margin_lower_bound(network, images, steps=1)
+    ratio, pair = margin_lower_bound(network, images, steps=150)
+    assert (ratio > first).any() and (ratio >= first).all()
+    assert (ratio.double() <= k[pair[:, 0], pair[:, 1]] * (1 + 1e-6)).all()
