@@ -57,6 +57,21 @@ def test_duplicate_configurations_run_once_and_long_names_stay_unique():
     assert len(names) == 3 and all(len(n) <= 120 for n in names) and len(set(names)) == 3
 
 
+def test_a_variant_with_its_own_config_files_runs_them_in_place_of_the_sweeps(tmp_path):
+    """Another architecture beside the base one (the convolutional anchor beside the certified transformer): the
+    variant's config files replace the sweep's in its command, and its name says which."""
+    anchor_config = ["configs/lipcnn_mnist.yaml", "configs/stabilizer/gloro_mnist.yaml"]
+    spec = Spec.from_dict({"name": "s", "config": ["configs/vit_mnist.yaml"],
+                           "variants": [{}, {"config": anchor_config, "trainer.max_epochs": 2}]})
+    base, anchor = spec.runs()
+    assert base.name == "seed=0" and anchor.name.startswith("config=lipcnn_mnist+gloro_mnist,trainer.max_epochs=2")
+    assert anchor.configuration.startswith("config=lipcnn_mnist+gloro_mnist")
+    cmd = spec.command(anchor, tmp_path / "r")
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"] == ["configs/lipcnn_mnist.yaml",
+                                                                         "configs/stabilizer/gloro_mnist.yaml"]
+    assert [a for a in spec.command(base, tmp_path / "b") if a.endswith(".yaml")] == ["configs/vit_mnist.yaml"]
+
+
 def test_command_line_form_and_overrides(tmp_path):
     spec = load_spec(None, cli(name="lr", config=["configs/vit_digits.yaml"], seeds="3,4",
                                grid=["model.lr=1e-3,0.01", "stabilizer=[lipsformer,jasmin],none"],

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 SPEC_KEYS = {"name", "description", "config", "args", "variants", "grid", "seeds"}
-VARIANT_KEYS = ("grid", "seeds", "args")  # a variant's keys that are not config overrides
+VARIANT_KEYS = ("grid", "seeds", "args", "config")  # a variant's keys that are not config overrides
 
 
 @dataclass(frozen=True)
@@ -25,10 +25,12 @@ class Run:
     overrides: tuple[tuple[str, Any], ...]
     seed: int
     extra: tuple[tuple[str, Any], ...] = ()  # a variant's own ``args``: in the command, not in the name
+    config: tuple[str, ...] | None = None  # a variant's own --config files, in place of the sweep's
 
     @property
     def name(self) -> str:
-        parts = [f"{k}={_short(v)}" for k, v in self.overrides] + [f"seed={self.seed}"]
+        own = [f"config={'+'.join(Path(c).stem for c in self.config)}"] if self.config is not None else []
+        parts = own + [f"{k}={_short(v)}" for k, v in self.overrides] + [f"seed={self.seed}"]
         name = re.sub(r"[^A-Za-z0-9._=+,-]+", "_", ",".join(parts))
         if len(name) > 120:  # keep it readable and unique
             digest = hashlib.sha1(name.encode()).hexdigest()[:8]
@@ -38,7 +40,8 @@ class Run:
     @property
     def configuration(self) -> str:
         """The run's configuration without its seed (what a report groups by)."""
-        return ", ".join(f"{k}={_short(v)}" for k, v in self.overrides) or "(base)"
+        own = [f"config={'+'.join(Path(c).stem for c in self.config)}"] if self.config is not None else []
+        return ", ".join(own + [f"{k}={_short(v)}" for k, v in self.overrides]) or "(base)"
 
 
 @dataclass
@@ -81,16 +84,19 @@ class Spec:
     def runs(self) -> list[Run]:
         """Every variant × its own grid × the shared grid × seeds (the variant's own ``seeds`` where it
         has them), in that order, without duplicates. A variant's ``args`` reach its commands but not its
-        name or label (e.g. evaluating some configurations on more points)."""
+        name or label (e.g. evaluating some configurations on more points); its ``config`` (a list of files)
+        replaces the sweep's ``--config`` files for its runs (another architecture beside the base one)."""
         runs, seen = [], set()
         for variant in self.variants:
             fixed = {k: v for k, v in variant.items() if k not in VARIANT_KEYS}
             own_grid = dict(variant.get("grid") or {})
             extra = tuple(dict(variant.get("args") or {}).items())
+            config = variant.get("config")
+            config = None if config is None else tuple([config] if isinstance(config, str) else config)
             for values in _product({**own_grid, **self.grid}):
                 overrides = tuple({**fixed, **values}.items())
                 for seed in variant.get("seeds", self.seeds):
-                    run = Run(overrides, int(seed), extra)
+                    run = Run(overrides, int(seed), extra, config)
                     if run.name not in seen:
                         seen.add(run.name)
                         runs.append(run)
@@ -99,7 +105,7 @@ class Spec:
     def command(self, run: Run, run_dir: Path) -> list[str]:
         """The ``stability fit`` command line of ``run``."""
         cmd = [sys.executable, "-m", "stability", "fit"]
-        for path in self.config:
+        for path in self.config if run.config is None else run.config:
             cmd += ["--config", str(path)]
         for key, value in {**self.args, **dict(run.extra), **dict(run.overrides)}.items():
             cmd.append(f"--{key}={_cli_value(value)}")
