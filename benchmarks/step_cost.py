@@ -82,6 +82,8 @@ CASES = [
     Case("lipschitz_transformer + muon hard_cap", "lipschitz_transformer,muon", vit_only=True),
     Case("lipschitz_transformer + muon + lipschitz_margin", "lipschitz_transformer,muon,lipschitz_margin",
          vit_only=True),
+    Case("lipschitz_transformer + muon + gloro", "lipschitz_transformer,muon,gloro", vit_only=True),
+    Case("lipschitz_transformer + muon + emma", "lipschitz_transformer,muon,emma", vit_only=True),
 ]
 CHECK_EVERY = 100  # spectral_norm's default check_every
 

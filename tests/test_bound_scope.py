@@ -63,3 +63,25 @@ def test_a_layernorm_before_the_blocks_is_refused_and_centernorm_there_counts():
     # the Lipschitz transformer replaces every LayerNorm, the one before the blocks too: a bound exists
     assert certified_bound(module(pre_norm=True).network)[0] is not None
     assert math.isfinite(with_pre.value)
+
+
+def test_last_layer_normalisation_certifies_with_its_unit_rows():
+    """The head's effective weight has unit rows, and the bound composed from it holds: whole and per class pair, at
+    least the exact Jacobian's (float64, random weights of every other matrix)."""
+    torch.manual_seed(0)
+    options = {"lipschitz_transformer": {"attention": "l2_unit", "activation": "maxmin", "pooling": "flatten",
+                                         "last_layer_norm": True, "zero_init": False}}
+    network = ImageClassifier(backbone_options={**TINY, "num_heads": 1}, stabilizer="lipschitz_transformer",
+                              stabilizer_options=options).network.double()
+    with torch.no_grad():
+        network.backbone.head.weight.mul_(torch.linspace(0.1, 5, 10, dtype=torch.float64)[:, None])  # rows of any size
+    bound, reason = certified_bound(network)
+    assert bound is not None, reason
+    torch.testing.assert_close(bound.head_weight.norm(dim=1), torch.ones(10, dtype=torch.float64))
+    x = torch.rand(1, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    jacobian = torch.func.jacrev(network)(x).reshape(10, -1)
+    assert float(torch.linalg.matrix_norm(jacobian, ord=2)) <= bound.value
+    for i in range(10):
+        for j in range(i + 1, 10):
+            pair = float(torch.linalg.vector_norm(jacobian[i] - jacobian[j]))
+            assert pair <= bound.features * float(torch.linalg.vector_norm(bound.head_weight[i] - bound.head_weight[j]))

@@ -39,6 +39,7 @@ from ..models import AttentionSite, ConvexResidualBlock, KernelAttention, PatchL
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
 from ..nn.lipschitz_blocks import activation_lipschitz as known_activation_lipschitz
+from ..nn.lipschitz_blocks import effective_weight
 
 
 class Unbounded(Exception):
@@ -136,13 +137,13 @@ def _with_head(features: float, network: nn.Module, backbone: VisionTransformer,
     head = backbone.head
     if not isinstance(head, nn.Linear):
         raise Unbounded(f"classifier head {type(head).__name__} is not a Linear layer")
-    return Bound(features * sigma(head.weight) * abs(network.logit_scale), label, domain, features,
+    return Bound(features * sigma(effective_weight(head)) * abs(network.logit_scale), label, domain, features,
                  _scaled_head(network, head))
 
 
 def _scaled_head(network: nn.Module, head: nn.Linear) -> torch.Tensor:
     """c·W_head, the logits' linear map from the head's input (c: the network's logit scale)."""
-    return head.weight.detach().clone() * abs(network.logit_scale)
+    return effective_weight(head).detach().clone() * abs(network.logit_scale)
 
 
 def vit_bound(network: nn.Module) -> Bound:

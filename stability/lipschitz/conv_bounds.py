@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.lipconvnet import LipConvNet, head_weight
+from ..models.lipconvnet import LipConvNet
+from ..nn.lipschitz_blocks import effective_weight
 
 
 def is_lipconvnet(network: nn.Module) -> bool:
@@ -32,7 +33,7 @@ def features_bound(network: nn.Module, dtype: torch.dtype = torch.float64) -> to
 
 def scaled_head(network: nn.Module) -> torch.Tensor:
     """c·W of the head (its effective weight: unit rows with ``head: lln``), detached, as certificates read it."""
-    return head_weight(network.backbone.head).detach().clone() * abs(network.logit_scale)
+    return effective_weight(network.backbone.head).detach().clone() * abs(network.logit_scale)
 
 
 def head_norm(network: nn.Module, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..certified_training.losses import MarginBound
-from ..models.lipconvnet import head_weight
+from ..nn.lipschitz_blocks import effective_weight
 from ..nn.precision import float32_math
 from ..nn.spectral import SubspaceIteration, top_singular_value
 from .certified import certified_bound
@@ -86,12 +86,12 @@ class TrainingBound:
         scale = abs(network.logit_scale)
         if self._kind == "aol":
             features = (1.0 / network.std.min()).to(torch.promote_types(network.std.dtype, torch.float32))
-            head = head_weight(network.backbone.head) * scale
+            head = effective_weight(network.backbone.head) * scale
             return self._detached(MarginBound(features * top_singular_value(head), features, head))
         if self._kind == "power":
             with float32_math(network.mean.device.type):
                 total, features = pixel_bound(network, differentiable=True, sigmas=self.estimated_sigmas(network))
-            return self._detached(MarginBound(total, features, network.backbone.head.weight * scale))
+            return self._detached(MarginBound(total, features, effective_weight(network.backbone.head) * scale))
         bound, reason = certified_bound(network)
         if bound is None:
             raise RuntimeError(f"{self.owner}: the model lost its certified bound ({reason})")

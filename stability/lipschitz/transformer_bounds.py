@@ -49,7 +49,7 @@ from torch import nn
 
 from ..models import AttentionSite, ConvexResidualBlock, PatchLinear, vit_tokens
 from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound, unit_divisor
-from ..nn.lipschitz_blocks import LipschitzDotKernel, activation_lipschitz
+from ..nn.lipschitz_blocks import LipschitzDotKernel, activation_lipschitz, effective_weight
 from ..nn.token_mixing import TokenMixing
 
 
@@ -167,7 +167,7 @@ def bound_matrices(network: nn.Module) -> dict[str, torch.Tensor]:
                 matrices[f"{i}.{part}{h}"] = weight[_head_rows(attn, part, h)]
             matrices[f"{i}.o{h}"] = w_o[:, h * width:(h + 1) * width]
         matrices[f"{i}.o"] = w_o
-    matrices["head"] = backbone.head.weight
+    matrices["head"] = effective_weight(backbone.head)  # unit rows with last-layer normalisation
     return matrices
 
 
@@ -298,4 +298,4 @@ def paper_bound(network: nn.Module) -> float:
         lip_mlp = rms(block.mlp.fc2.weight) * activation_lipschitz(block.mlp.act) * rms(block.mlp.fc1.weight)
         bound = bound * ((1 - a) + a * lip_mlp)
         r = (1 - a) * r + a * lip_mlp * r
-    return float(bound * rms(backbone.head.weight)) * abs(network.logit_scale)
+    return float(bound * rms(effective_weight(backbone.head))) * abs(network.logit_scale)

@@ -18,27 +18,12 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..nn.aol import AOLConv2d, AOLLinear, ChannelMaxMin, StridedAOLConv, isometric_init_
+from ..nn.lipschitz_blocks import NormalizedLinear
 
 HEADS = ("linear", "lln", "aol")
-
-
-class NormalizedLinear(nn.Linear):
-    """Last-layer normalisation (Singla, Singla & Feizi 2022): the logits are ŵ_j·h with unit rows ŵ_j = w_j/‖w_j‖."""
-
-    def effective_weight(self) -> torch.Tensor:
-        return F.normalize(self.weight, dim=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.effective_weight(), self.bias)
-
-
-def head_weight(head: nn.Linear) -> torch.Tensor:
-    """The weight the head multiplies by (its effective weight where it rescales its parameter)."""
-    return head.effective_weight() if hasattr(head, "effective_weight") else head.weight
 
 
 class LipConvNet(nn.Module):

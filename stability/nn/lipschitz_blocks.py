@@ -79,3 +79,27 @@ class FlattenLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.flatten(1))
+
+
+class NormalizedLinear(nn.Linear):
+    """Last-layer normalisation (Singla, Singla & Feizi 2022): the logits are ŵ_j·h with unit rows ŵ_j = w_j/‖w_j‖, so
+    every class pair's certificate constant ‖ŵ_i − ŵ_j‖ is at most 2 whatever the training did to the rows' sizes."""
+
+    def effective_weight(self) -> torch.Tensor:
+        return F.normalize(self.weight, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.effective_weight(), self.bias)
+
+
+class NormalizedFlattenLinear(NormalizedLinear):
+    """:class:`NormalizedLinear` on every token, flattened (:class:`FlattenLinear`'s isometry)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(1))
+
+
+def effective_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight a Linear layer multiplies by: its ``effective_weight()`` where it rescales its parameter (AOL,
+    last-layer normalisation), else its ``weight``."""
+    return layer.effective_weight() if hasattr(layer, "effective_weight") else layer.weight

@@ -55,7 +55,14 @@ from ..models import (
 )
 from ..nn.constraints import orthogonal_rms_
 from ..nn.l2_attention import L2MultiHeadAttention
-from ..nn.lipschitz_blocks import FlattenLinear, LipschitzDotKernel, MaxMin, ScaledGELU
+from ..nn.lipschitz_blocks import (
+    FlattenLinear,
+    LipschitzDotKernel,
+    MaxMin,
+    NormalizedFlattenLinear,
+    NormalizedLinear,
+    ScaledGELU,
+)
 from ..nn.token_mixing import TokenMixing
 from .base import Stabilizer, register_stabilizer
 
@@ -83,6 +90,9 @@ class LipschitzTransformer(Stabilizer):
             reference code's MLPs) or ``maxmin`` (GroupSort-2, norm-preserving: Anil et al. 2019).
         pooling: ``backbone`` (the backbone's own: class token, or ``global_pool: avg``) or ``flatten`` (the head
             reads every token, :class:`~stability.nn.lipschitz_blocks.FlattenLinear`; ViT).
+        last_layer_norm: the head's rows normalised to unit length (Singla et al. 2022,
+            :class:`~stability.nn.lipschitz_blocks.NormalizedLinear`): each class pair's certificate constant is then
+            at most 2·(features' bound); initialised orthogonal, not zero (a zero row has no direction).
     """
 
     name = "lipschitz_transformer"
@@ -97,7 +107,7 @@ class LipschitzTransformer(Stabilizer):
                  orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0,
                  logit_scale: float = 1.0, attention: Literal["dot", "l2", "l2_unit", "mixing"] = "dot",
                  activation: Literal["gelu", "relu", "maxmin"] = "gelu",
-                 pooling: Literal["backbone", "flatten"] = "backbone") -> None:
+                 pooling: Literal["backbone", "flatten"] = "backbone", last_layer_norm: bool = False) -> None:
         if attention_scale <= 0 or token_rms <= 0 or residual_scale <= 0 or logit_scale <= 0:
             raise ValueError(f"lipschitz_transformer: need attention_scale > 0, residual_scale > 0, token_rms > 0 and "
                              f"logit_scale > 0; got {attention_scale}, {residual_scale}, {token_rms}, {logit_scale}")
@@ -111,6 +121,7 @@ class LipschitzTransformer(Stabilizer):
         if pooling not in ("backbone", "flatten"):
             raise ValueError(f"lipschitz_transformer: pooling must be 'backbone' or 'flatten', got {pooling!r}")
         self.logit_scale, self.attention, self.activation, self.pooling = logit_scale, attention, activation, pooling
+        self.last_layer_norm = last_layer_norm
 
     def prepare(self, network: nn.Module) -> None:
         backbone = network.backbone if hasattr(network, "backbone") else network
@@ -132,6 +143,10 @@ class LipschitzTransformer(Stabilizer):
         split_qkv(backbone)
         if self.pooling == "flatten":
             self._use_flatten_head(backbone)
+        if self.last_layer_norm:
+            head = backbone.head
+            normalized = NormalizedFlattenLinear if isinstance(head, FlattenLinear) else NormalizedLinear
+            backbone.head = normalized(head.in_features, head.out_features, bias=head.bias is not None)
         if not self.biases:
             remove_biases(network)
         self._initialise(backbone)
@@ -179,6 +194,7 @@ class LipschitzTransformer(Stabilizer):
             if not isinstance(module, nn.Linear):
                 continue
             zero = self.zero_init and (linear_role(name) in ("proj", "head") or name.endswith("mlp.fc2"))
+            zero = zero and not (self.last_layer_norm and linear_role(name) == "head")  # unit rows need a direction
             if zero:
                 module.weight.zero_()
             elif self.orthogonal_init:
