@@ -95,6 +95,9 @@ class ImageClassifier(L.LightningModule):
         self.stabilizer_names = stabilizer_names(stabilizer)
         self.stabilizers = build_stabilizers(self.stabilizer_names, stabilizer_options)
         for stab in self.stabilizers:
+            if label_smoothing and not stab.takes_label_smoothing:
+                raise ValueError(f"stabilizer {stab.name!r} replaces the task loss with one that has no label-smoothed "
+                                 f"form; set --model.label_smoothing 0 (got {label_smoothing})")
             if backbone not in stab.backbones:
                 raise ValueError(f"stabilizer {stab.name!r} applies to the backbones {list(stab.backbones)}, not "
                                  f"{backbone!r}")
@@ -330,7 +333,11 @@ class ImageClassifier(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Before Lightning restores the optimizer and schedulers: each stabilizer brings an older layout of its state
-        to the current one (Muon's groups, split by shape factor since; Stabilizer.on_load_checkpoint)."""
+        to the current one (Muon's groups, split by shape factor since; Stabilizer.on_load_checkpoint). Only when
+        fitting: test, validate and predict read the weights alone."""
+        trainer = self.__dict__.get("_trainer")
+        if trainer is not None and trainer.state.fn != "fit":
+            return
         for stab in self.stabilizers:
             stab.on_load_checkpoint(checkpoint, self.network)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torchmetrics import Metric
 
 COLLAPSE_SHARE = 0.95  # a constant classifier: one class predicted for at least this share of the points
@@ -33,8 +34,9 @@ class TopClassShare(Metric):
         self.add_state("labels", default=torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.predicted += torch.bincount(logits.argmax(dim=-1), minlength=self.num_classes)
-        self.labels += torch.bincount(labels, minlength=self.num_classes)
+        # one-hot sums, not bincount: bincount reads its input's range back to the host on CUDA
+        self.predicted += F.one_hot(logits.argmax(dim=-1), self.num_classes).sum(0)
+        self.labels += F.one_hot(labels, self.num_classes).sum(0)
 
     def compute(self) -> torch.Tensor:
         return self.predicted.max() / self.predicted.sum().clamp_min(1)

@@ -57,7 +57,10 @@ def test_sigterm_mid_autoattack_stops_within_seconds_and_a_rerun_resumes(checkpo
     while not any("autoattack_Linf_2/255 on 96 points — at most ≈" in line for line in lines):  # the plan line
         assert process.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
         time.sleep(0.2)
-    time.sleep(4)  # into the official AutoAttack
+    kept_batches = stopped.parent / "measurements"
+    while not list(kept_batches.glob("*/autoattack*.batch0.pt")):  # one AutoAttack batch done: into the second
+        assert process.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.1)
     sent = time.time()
     process.send_signal(signal.SIGTERM)
     status = process.wait(timeout=120)
@@ -69,12 +72,14 @@ def test_sigterm_mid_autoattack_stops_within_seconds_and_a_rerun_resumes(checkpo
     partial = json.loads((stopped.parent / "results.json").read_text())
     assert partial["complete"] is False and "stopped by SIGTERM" in partial["robustness"]["interrupted"]
     attacked = partial["robustness"].get("attacks", {}).get("autoattack_Linf_2/255", {}).get("points", 0)
-    assert attacked % 16 == 0 and attacked < 96  # whole batches, with their number of points
+    assert attacked % 16 == 0 and 16 <= attacked < 96  # whole batches, with their number of points
     kept = list((stopped.parent / "measurements").glob("*/*.pt"))
     assert kept  # the clean pass at least: a rerun starts from there
     # the rerun resumes and ends with the numbers of an uninterrupted run
     resumed = run("test", "--ckpt_path", str(stopped), *QUIET, *AUTOATTACK, cwd=tmp_path)
-    assert "kept from an interrupted run" in resumed.stderr + resumed.stdout
+    said_again = resumed.stderr + resumed.stdout
+    assert any("autoattack_Linf_2/255 on 96 points" in line and "kept from an interrupted run" in line
+               for line in said_again.splitlines()), said_again[-2000:]
     whole = copy_of(checkpoint, tmp_path / "whole")
     run("test", "--ckpt_path", str(whole), *QUIET, *AUTOATTACK, cwd=tmp_path)
     first, second = (json.loads((p.parent / "results.json").read_text()) for p in (stopped, whole))

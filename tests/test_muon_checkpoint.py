@@ -19,7 +19,8 @@ TINY = dict(embed_dim=16, depth=2, num_heads=2)  # MLP 16 → 32 → 16: fc2 is 
 def module(layers="hidden"):
     L.seed_everything(0)
     return ImageClassifier(backbone_options=TINY, stabilizer="lipschitz_transformer,muon",
-                           stabilizer_options={"muon": {"constraint": "hard_cap", "layers": layers}})
+                           stabilizer_options={"muon": {"constraint": "hard_cap", "layers": layers,
+                                                        "update_scales": {"mlp": 0.5}}})
 
 
 def trainer(epochs, root):
@@ -36,28 +37,38 @@ def test_a_checkpoint_of_the_old_layout_resumes_exactly(tmp_path):
     path = tmp_path / "new.ckpt"
     t.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
-    # rewrite it as the old code saved it: one group (one role scale), matrices in module order
+    # rewrite it as the old code saved it: one group per role scale (here two: the MLP's 0.5 and the rest's 1) in
+    # first-seen order, each with its matrices in module order, learning rates without the shape factor
     network = first.network
-    muon_stab = first.stabilizers[1]
-    grouping = muon_stab._grouping(network)
+    grouping = first.stabilizers[1]._grouping(network)
     from stability.stabilizers.muon import constrained_matrices
 
     module_order = [name for name, _ in constrained_matrices(network, "hidden")]
+    scale_of = {name: scale for scale, _, members in grouping for name, _ in members}
+    scales = list(dict.fromkeys(scale_of[name] for name in module_order))
+    old_order = [name for scale in scales for name in module_order if scale_of[name] == scale]
     new_flat = [name for _, _, members in grouping for name, _ in members]
-    assert new_flat != module_order  # the split reorders the matrices: the map is exercised
+    assert len(scales) == 2 and len(grouping) > len(scales) and new_flat != old_order  # the map is exercised
     old = copy.deepcopy(checkpoint)
     muon = old["optimizer_states"][0]["optimizers"][0]
     new_groups = muon["param_groups"]
-    old_state = {module_order.index(name): muon["state"][j] for j, name in enumerate(new_flat) if j in muon["state"]}
-    merged = {k: v for k, v in new_groups[0].items() if k not in ("params", LR_SHAPE_FACTOR)}
-    merged.update(params=list(range(len(module_order))), adjust_lr_fn="spectral_unclamped",
-                  lr=new_groups[0]["lr"] / new_groups[0][LR_SHAPE_FACTOR],
-                  initial_lr=new_groups[0]["initial_lr"] / new_groups[0][LR_SHAPE_FACTOR])
-    old["optimizer_states"][0]["optimizers"][0] = {"state": old_state, "param_groups": [merged]}
+    old_state = {old_order.index(name): muon["state"][j] for j, name in enumerate(new_flat) if j in muon["state"]}
+    first_group = {scale: next(g for g, (s_, _, _) in zip(new_groups, grouping) if s_ == scale) for scale in scales}
+    old_groups = []
+    for scale in scales:
+        group = first_group[scale]
+        factor = group[LR_SHAPE_FACTOR]
+        merged = {k: v for k, v in group.items() if k not in ("params", LR_SHAPE_FACTOR)}
+        merged.update(params=[i for i, name in enumerate(old_order) if scale_of[name] == scale],
+                      adjust_lr_fn="spectral_unclamped", lr=group["lr"] / factor,
+                      initial_lr=group["initial_lr"] / factor)
+        old_groups.append(merged)
+    old["optimizer_states"][0]["optimizers"][0] = {"state": old_state, "param_groups": old_groups}
     scheduler = old["lr_schedulers"][0]
-    factors = [g[LR_SHAPE_FACTOR] for g in new_groups]
     for key in ("base_lrs", "_last_lr"):
-        scheduler[key] = [scheduler[key][0] / factors[0]] + scheduler[key][len(new_groups):]
+        by_group = dict(zip((id(g) for g in new_groups), scheduler[key]))
+        scheduler[key] = ([by_group[id(first_group[s])] / first_group[s][LR_SHAPE_FACTOR] for s in scales]
+                          + scheduler[key][len(new_groups):])
     old_path = tmp_path / "old.ckpt"
     torch.save(old, old_path)
     finals = []

@@ -32,3 +32,37 @@ def test_the_pairs_found_never_exceed_the_certified_constants_and_the_ascent_cli
     ratio, pair = margin_lower_bound(network, images, steps=150)
     assert (ratio > first).any() and (ratio >= first).all()
     assert (ratio.double() <= k[pair[:, 0], pair[:, 1]] * (1 + 1e-6)).all()
+
+
+def test_on_a_linear_network_the_ascent_reaches_the_exact_pair_constant():
+    """The anchor with no hidden layer is linear, z = W·(x − μ)/σ: each margin's Lipschitz constant is exactly its
+    certified K_tj = ‖w_t − w_j‖/σ, and the ascent must find (nearly) that — a constant 2× too small would fail."""
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone="lipcnn", backbone_options={"convs": [], "dense": []})
+    network = module.network.eval()
+    bound, _ = certified_bound(network)
+    k = certified_pair_constants(bound, 10)
+    images = torch.rand(8, 1, 8, 8, generator=torch.Generator().manual_seed(1)) * 0.5 + 0.25
+    ratio, pair = margin_lower_bound(network, images, steps=300, lr=1e-2)
+    exact = k[pair[:, 0], pair[:, 1]]
+    assert (ratio.double() <= exact * (1 + 1e-6)).all()
+    reached = ratio.double() / exact
+    assert float(reached.median()) >= 0.999 and float(reached.min()) >= 0.9, reached  # the exact constant, found
+
+
+def test_the_pair_lower_bound_runs_at_test_and_says_the_bound_holds(tmp_path):
+    import lightning as L
+
+    from stability.callbacks import LipschitzMonitor
+    from stability.data import Digits
+
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone="lipcnn")
+    monitor = LipschitzMonitor(test_num_points=16, iterations=2, attention=False, pair_points=8, pair_steps=20)
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+                        default_root_dir=tmp_path, inference_mode=True)
+    trainer.test(module, Digits(batch_size=32))
+    found = monitor.last_results["test"]
+    assert 0 < found["margin_lower_bound"] <= found["margin_bound"] and found["margin_tightness"] >= 1
+    assert found["margin_pair_tightness_min"] >= 1 - 1e-6
+    assert trainer.callback_metrics["test_lipschitz/margin_tightness"] >= 1

@@ -187,6 +187,18 @@ def test_compiled_flex_attention_compiles_once_across_batch_sizes():
     assert counter.frame_count == 1, counter.frame_count
 
 
+def test_softcapped_flex_attention_inside_a_compiled_network_leaves_the_shapes_to_the_outer_graph():
+    """A network compiled whole (--model.compile true) calls the capped kernel while dynamo traces it: the batch is
+    not marked dynamic there (maybe_mark_dynamic may not be traced), FlexAttention is traced as part of the graph."""
+    from stability.nn.flex import softcapped_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 17, 16, generator=gen) for _ in range(3))
+    compiled = torch.compile(lambda a, b, c: softcapped_attention(a, b, c, 0.25, 2.0), backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v), softcapped_attention(q, k, v, 0.25, 2.0, compiled=False))
+
+
 def test_softcap_is_the_identity_near_zero():
     from stability.nn.dot_attention import soft_cap
 

@@ -13,11 +13,12 @@ def certified_bound_of(stabilizers, network: nn.Module) -> tuple[Bound | None, s
     none). An architecture that is Lipschitz by construction (the convolutional anchor) certifies without a
     stabilizer."""
     bounds = [b for s in stabilizers if (b := Bound.of(s.lipschitz_bound(network))) is not None]
-    own, reason = certified_bound(network)
-    if own is not None and is_lipconvnet(network):
+    if is_lipconvnet(network):
+        own, _ = certified_bound(network)
         bounds.append(own)
     if bounds:
         return min(bounds, key=lambda b: b.value), ""
+    _, reason = certified_bound(network)
     return None, reason or "no selected stabilizer certifies a bound"
 
 

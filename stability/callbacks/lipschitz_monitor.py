@@ -98,8 +98,8 @@ class LipschitzMonitor(L.Callback):
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("lipschitz-" + store_key(
-                    network, self.iterations, self.exclude_patch_embed, self.lower_bound, self.attention,
-                    self.attention_points, count, self.batch_size, len(dataset)))
+                    network, dataset, self.iterations, self.exclude_patch_embed, self.lower_bound, self.attention,
+                    self.attention_points, self.pair_points, self.pair_steps, count, self.batch_size))
             session = Session.of(trainer, f"lipschitz ({stage})", store)
             try:
                 batches = measure_batches(dataset, count, self.batch_size, pl_module.device,
@@ -122,7 +122,11 @@ class LipschitzMonitor(L.Callback):
                 metrics["certified_log10"] = math.log10(bound.value)
                 metrics["certified_tightness"] = bound.value / float(values["local"].max())
                 if stage == "test" and self.pair_points:
-                    metrics.update(self._pairs(dataset, count, network, bound, pl_module, session))
+                    try:
+                        metrics.update(self._pairs(dataset, count, network, bound, pl_module, session))
+                    except MeasurementInterrupted as stopped:
+                        self._interrupted(stage, stopped, count)
+                        return
             elif bound is None and not self._said_no_bound:
                 rank_zero_info(f"lipschitz: this model has no certified global bound ({reason}); only local "
                                f"estimates are logged")

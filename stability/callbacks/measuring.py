@@ -94,7 +94,7 @@ class Session:
         path = self._path(name, index)
         if path is None or not path.is_file():
             return None
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, map_location="cpu")  # any device: a GPU run resumes on a CPU
 
     def save(self, name: str, index: int, result: Any) -> None:
         path = self._path(name, index)
@@ -102,7 +102,7 @@ class Session:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".part")
-        torch.save(result, partial)
+        torch.save(_on_cpu(result), partial)
         os.replace(partial, path)  # a batch is kept whole or not at all
 
     def finished(self) -> None:
@@ -127,6 +127,16 @@ class Session:
         line = f"{self.label}: {name} on {points} points in {format_seconds(seconds)} ({rate:.3g} points/s{kept})"
         self.lines.append(line)
         rank_zero_info(line)
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 class _NoBar:
@@ -160,13 +170,20 @@ def format_seconds(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
 
 
-def store_key(network: nn.Module, *what: Any) -> str:
-    """A digest of the network's weights and of what is measured (settings, points, stage): batches kept under it
-    are valid only for exactly that measurement."""
+def store_key(network: nn.Module, dataset, *what: Any) -> str:
+    """A digest of the network (its weights, and the settings outside them: logit scale and cap), of the data (its
+    class, size and a sample of its points) and of what is measured (settings, points): batches kept under it are valid
+    only for exactly that measurement."""
     digest = hashlib.sha1()
     for name, tensor in network.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(repr((getattr(network, "logit_scale", None), getattr(network, "logit_cap", None))).encode())
+    digest.update(f"{type(dataset).__qualname__}:{len(dataset)}".encode())
+    for i in sorted({0, len(dataset) // 2, len(dataset) - 1}):
+        image, label = dataset[i]
+        digest.update(torch.as_tensor(image).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(repr(int(label)).encode())
     digest.update(repr(what).encode())
     return digest.hexdigest()[:16]
 

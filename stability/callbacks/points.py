@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .measuring import MeasurementInterrupted
+
 if TYPE_CHECKING:
     from .measuring import Session
 
@@ -88,24 +90,50 @@ def measure_batches(dataset, count: int, batch_size: int, device: torch.device,
     points = resumed = 0
     bar = session.bar(name, count)
     started = time.perf_counter()
+    rank, world = rank_and_world()
+    ranges = batch_ranges(count, batch_size)
+    stopped = False
     try:
-        for index, start, stop in my_batches(count, batch_size):
+        for first in range(0, len(ranges), world):  # one round: a batch for each process (or none, at the end)
+            if world > 1:  # every process stops at the same round, or the gathers below would not match
+                stopped = _any_process(stopped or session.should_stop(), device)
+            if stopped or session.should_stop():
+                raise MeasurementInterrupted(name, local, points)
+            index = first + rank
+            if index >= len(ranges):
+                continue
+            start, stop = ranges[index]
             result = session.load(name, index)
             if result is None:
-                session.check(name, local, points)
-                with session.interruptible(network, name, local, points):
-                    result = measure(index, *load(dataset, start, stop, device))
+                try:
+                    with session.interruptible(network, name, local, points):
+                        result = measure(index, *load(dataset, start, stop, device))
+                except MeasurementInterrupted:
+                    if world == 1:
+                        raise
+                    stopped = True  # said to the others at the next round
+                    continue
                 session.save(name, index, result)
             else:
                 resumed += stop - start
             local[index] = result
             points += stop - start
             bar.update(stop - start)
+        if world > 1 and _any_process(stopped, device):
+            raise MeasurementInterrupted(name, local, points)
     finally:
         bar.close()
     gathered = gather_batches(local)
     session.said(name, count, time.perf_counter() - started, resumed)
     return gathered
+
+
+def _any_process(flag: bool, device: torch.device) -> bool:
+    """True on every process when any process's ``flag`` is (one all-reduce)."""
+    backend_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([1.0 if flag else 0.0], device=backend_device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _to_cpu(value: Any) -> Any:

@@ -119,8 +119,8 @@ class RobustnessMonitor(L.Callback):
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("robustness-" + store_key(
-                    network, settings, [(s.label, prefix[s.label]) for s in specs], count, self.batch_size,
-                    len(dataset)))
+                    network, dataset, settings, [(s.label, prefix[s.label]) for s in specs], count, self.batch_size,
+                    self.certified_radii))
             session = Session.of(trainer, f"robustness ({stage})", store)
 
             def clean(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

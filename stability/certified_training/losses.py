@@ -54,9 +54,8 @@ class MarginBound:
         """(B, K): K_{a,j} for each point's anchor class a (its label or its prediction), 0 at j = a."""
         if self.head is not None and self.features is not None:
             rows = self.head.to(_float(self.features))
-            gaps = rows[anchor][:, None, :] - rows[None, :, :]  # (B, K, F)
-            norms = torch.linalg.vector_norm(gaps, dim=-1)
-            return self.features * norms
+            pairs = torch.cdist(rows, rows, compute_mode="donot_use_mm_for_euclid_dist")  # ‖w_i − w_j‖, exact
+            return self.features * pairs[anchor]  # (B, K), 0 (and no NaN gradient) at j = a
         size = math.sqrt(2) * self.total
         others = 1 - F.one_hot(anchor, num_classes).to(_float(self.total))
         return size * others

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..certified_training.losses import MarginBound
 from ..nn.lipschitz_blocks import effective_weight
-from ..nn.precision import float32_math
+from ..nn.precision import at_least_float32, float32_math
 from ..nn.spectral import SubspaceIteration, top_singular_value
 from .certified import certified_bound
 from .conv_bounds import is_lipconvnet
@@ -85,9 +85,10 @@ class TrainingBound:
             raise RuntimeError(f"{self.owner}: TrainingBound.prepare(network) was not called")
         scale = abs(network.logit_scale)
         if self._kind == "aol":
-            features = (1.0 / network.std.min()).to(torch.promote_types(network.std.dtype, torch.float32))
-            head = effective_weight(network.backbone.head) * scale
-            return self._detached(MarginBound(features * top_singular_value(head), features, head))
+            with float32_math(network.mean.device.type):  # bf16 autocast would round the head and its σ₁ estimate
+                features = (1.0 / network.std.min()).to(torch.promote_types(network.std.dtype, torch.float32))
+                head = at_least_float32(effective_weight(network.backbone.head)) * scale
+                return self._detached(MarginBound(features * top_singular_value(head), features, head))
         if self._kind == "power":
             with float32_math(network.mean.device.type):
                 total, features = pixel_bound(network, differentiable=True, sigmas=self.estimated_sigmas(network))

@@ -46,7 +46,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
                          compiled: bool = True, backend="inductor") -> torch.Tensor:
     """softmax(cap·tanh(scale·q kᵀ/cap))·v on (B, h, N, d) tensors, fused (``compiled``: the CUDA kernel; eager
     FlexAttention is unfused and forward-only on the CPU). The batch dimension is dynamic: no recompile per size."""
-    if not compiled:
+    if not compiled or torch.compiler.is_compiling():  # inside a compiled network the outer graph compiles it
         return flex_attention(q, k, v, score_mod=tanh_softcap(float(cap)), scale=scale)
     for t in (q, k, v):
         torch._dynamo.maybe_mark_dynamic(t, 0)

@@ -43,7 +43,7 @@ def certified_radii(logits: torch.Tensor, labels: torch.Tensor, bound: Bound) ->
     radius = (margin - slack) / (math.sqrt(2) * lipschitz) if bound.value > 0 else torch.full_like(margin, math.inf)
     if bound.head_weight is not None and bound.features is not None:
         w = bound.head_weight.detach().double().to(z.device)  # (K, F)
-        pair_norms = torch.cdist(w, w)[labels]  # (B, K): ‖W_y − W_j‖
+        pair_norms = torch.cdist(w, w, compute_mode="donot_use_mm_for_euclid_dist")[labels]  # (B, K): ‖W_y − W_j‖
         gaps = true[:, None] - z - slack[:, None]  # (B, K): z_y − z_j, rounded down
         pair = gaps / (pair_norms * bound.features * (1 + ROUNDING))
         pair = pair.scatter(1, labels[:, None], math.inf).amin(1)

@@ -101,6 +101,7 @@ class Stabilizer:
     needs_queries_keys: bool = False  # (q, k, scale) of every attention call, fused path kept (ViT)
     wants_constrained_network: bool = False  # the run lists the parameters no stabilizer constrains
     conflicts: ClassVar[dict[str, str]] = {}  # stabilizers it cannot be combined with, and why (either side may say)
+    takes_label_smoothing: ClassVar[bool] = True  # False: its task loss has no label-smoothed form (refused by name)
 
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""

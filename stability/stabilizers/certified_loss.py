@@ -63,10 +63,11 @@ class CertifiedLoss(Stabilizer):
     def task_loss(self, step: ForwardStep, default) -> torch.Tensor:
         bound = self.margin_bound(step.network)
         self.last_bound = bound.total.detach()
-        return self.loss_of(step, bound, self.step_eps(step))
+        return self.loss_of(step, bound, self.step_eps(step), default)
 
-    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float) -> torch.Tensor:
-        """The objective at this step, from the logits, the bound and the radius."""
+    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float, default) -> torch.Tensor:
+        """The objective at this step, from the logits, the bound and the radius (``default``: the module's
+        cross-entropy of given logits, with its label smoothing)."""
         raise NotImplementedError
 
     def signals(self) -> dict[str, float | torch.Tensor]:

@@ -29,6 +29,7 @@ class EMMA(CertifiedLoss):
     summary = ("task loss CE(z_j + clip((z_y − z_j)/(ε·K_yj), 0.01, 1)·ε·K_yj): each pair pushed at the radius it can "
                "reach")
     source = "Hu et al. 2023"
+    takes_label_smoothing = False
 
     def __init__(self, eps: float = 0.5, overshoot: float = 1.0, ramp: str = "none", ramp_start: float = 0.0,
                  ramp_end: float = 0.5, ramp_from: float = 0.01, temperature: float = 1.0, iterations: int = 1,
@@ -36,5 +37,5 @@ class EMMA(CertifiedLoss):
         super().__init__(eps, overshoot, ramp, ramp_start, ramp_end, ramp_from, temperature, iterations,
                          bound_gradient)
 
-    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float) -> torch.Tensor:
+    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float, default) -> torch.Tensor:
         return emma_loss(step.logits, step.targets, bound, eps, self.temperature)

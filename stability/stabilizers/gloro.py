@@ -35,6 +35,7 @@ class GloRo(CertifiedLoss):
     summary = ("task loss: cross-entropy with a ⊥ logit max_{j≠ŷ}(z_j + ε·K_ŷj) (or CE + λ·KL to it, TRADES-like): "
                "the prediction must beat ⊥ to count")
     source = "Leino et al. 2021"
+    takes_label_smoothing = False  # the ⊥ class has no smoothed target
 
     def __init__(self, eps: float = 0.5, trades: float = 0.0, trades_ramp: bool = False, overshoot: float = 1.0,
                  ramp: str = "none", ramp_start: float = 0.0, ramp_end: float = 0.5, ramp_from: float = 0.01,
@@ -46,7 +47,7 @@ class GloRo(CertifiedLoss):
         self.trades, self.trades_ramp = trades, trades_ramp
         self.last_trades: float | None = None
 
-    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float) -> torch.Tensor:
+    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float, default) -> torch.Tensor:
         self.last_trades = linear_weight(self.trades, step.progress, self.trades_ramp)
         return gloro_loss(step.logits, step.targets, bound, eps, self.last_trades, self.temperature)
 

@@ -18,7 +18,6 @@ Soft labels (MixUp, CutMix) add the √2·L margin in proportion to 1 − y.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..certified_training import MarginBound, margin_logits
 from .base import ForwardStep, register_stabilizer
@@ -51,10 +50,9 @@ class LipschitzMargin(CertifiedLoss):
                          bound_gradient)
         self.pairwise = pairwise
 
-    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float) -> torch.Tensor:
+    def loss_of(self, step: ForwardStep, bound: MarginBound, eps: float, default) -> torch.Tensor:
         if self.pairwise and bound.head is None:
             raise ValueError("lipschitz_margin: pairwise needs a model whose logits are a linear head with a bounded "
                              "input (its bound names none)")
         shifted = margin_logits(step.logits, step.targets, bound, eps, self.pairwise)
-        targets = step.targets if step.targets.ndim == 1 else step.targets.to(shifted.dtype)
-        return F.cross_entropy(self.temperature * shifted, targets) / self.temperature
+        return default(self.temperature * shifted) / self.temperature  # the module's CE, its label smoothing too
