@@ -16,7 +16,7 @@ import pytest
 
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 TINY = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]
-AUTOATTACK = ["--robustness.test_attacks", "[autoattack]", "--robustness.autoattack_num_points", "96",
+AUTOATTACK = ["--robustness.test_attacks", "[autoattack]", "--robustness.autoattack_num_points", "48",
               "--robustness.batch_size", "16", "--lipschitz.every_n_epochs", "0"]
 
 
@@ -54,7 +54,7 @@ def test_sigterm_mid_autoattack_stops_within_seconds_and_a_rerun_resumes(checkpo
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
     deadline = time.time() + 300
-    while not any("autoattack_Linf_2/255 on 96 points — at most ≈" in line for line in lines):  # the plan line
+    while not any("autoattack_Linf_2/255 on 48 points — at most ≈" in line for line in lines):  # the plan line
         assert process.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
         time.sleep(0.2)
     kept_batches = stopped.parent / "measurements"
@@ -72,13 +72,13 @@ def test_sigterm_mid_autoattack_stops_within_seconds_and_a_rerun_resumes(checkpo
     partial = json.loads((stopped.parent / "results.json").read_text())
     assert partial["complete"] is False and "stopped by SIGTERM" in partial["robustness"]["interrupted"]
     attacked = partial["robustness"].get("attacks", {}).get("autoattack_Linf_2/255", {}).get("points", 0)
-    assert attacked % 16 == 0 and 16 <= attacked < 96  # whole batches, with their number of points
+    assert attacked % 16 == 0 and 16 <= attacked < 48  # whole batches, with their number of points
     kept = list((stopped.parent / "measurements").glob("*/*.pt"))
     assert kept  # the clean pass at least: a rerun starts from there
     # the rerun resumes and ends with the numbers of an uninterrupted run
     resumed = run("test", "--ckpt_path", str(stopped), *QUIET, *AUTOATTACK, cwd=tmp_path)
     said_again = resumed.stderr + resumed.stdout
-    assert any("autoattack_Linf_2/255 on 96 points" in line and "kept from an interrupted run" in line
+    assert any("autoattack_Linf_2/255 on 48 points" in line and "kept from an interrupted run" in line
                for line in said_again.splitlines()), said_again[-2000:]
     whole = copy_of(checkpoint, tmp_path / "whole")
     run("test", "--ckpt_path", str(whole), *QUIET, *AUTOATTACK, cwd=tmp_path)
