@@ -6,8 +6,8 @@ training time (``time/train_epoch_s``, the training steps only) fits in the budg
         --out results/certified_transformers/wallclock.md
 
 Needs runs that log ``time/train_epoch_s`` (``--timing.enabled true``) and certified accuracy at validation
-(``--robustness.every_n_epochs 1``). The runs shared the same machine; runs that trained at the same time shared its
-cores, which the times include.
+(``--robustness.every_n_epochs 1``). Unfinished runs are included, marked with their epochs so far. The runs
+shared the same machine; runs that trained at the same time shared its cores, which the times include.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def at_budgets(run, budgets_s: list[float]) -> list[dict | None]:
 
 
 def table(root: Path, budgets_min: list[float]) -> str:
-    runs = [r for r in (load_run(p) for p in find_runs(root)) if r is not None]
+    runs = [r for r in (load_run(p, unfinished=True) for p in find_runs(root)) if r is not None]
     names = short_names([SimpleNamespace(label=r.configuration or r.path.name, stabilizer=r.stabilizer) for r in runs])
     header = "| run | " + " | ".join(f"{b:g} min" for b in budgets_min) + " |"
     lines = [header, "|---|" + "---|" * len(budgets_min)]
@@ -55,7 +55,11 @@ def table(root: Path, budgets_min: list[float]) -> str:
         for row in at_budgets(run, [60 * b for b in budgets_min]):
             cells.append("—" if row is None else
                          f"{row['acc']:.3f} / {row['0.5']:.3f} / {row['1.58']:.3f} ({row['epochs']} ep)")
-        lines.append(f"| {names[run.configuration or run.path.name]} | " + " | ".join(cells) + " |")
+        name = names[run.configuration or run.path.name]
+        if run.status == "unfinished":
+            epochs = len(run.scalars.get(tags.TIME_TRAIN_EPOCH, []))
+            name += f" (unfinished: {epochs} epochs so far)"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -256,3 +256,48 @@ def test_a_learning_rate_that_ends_just_under_the_initial_loss_is_not_stable():
 
     family = lr_families(group([_lr_run(1e-3, 0, 0.5), _lr_run(1e-2, 0, 2.2)]))[0]
     assert family.largest_stable_lr() == 1e-3
+
+
+def write_events(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> None:
+    """One TensorBoard events file in ``run`` (one file per call, as each process of a resumed run writes)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run), filename_suffix=f".{len(list(run.glob('events.out.tfevents.*')))}")
+    for tag, values in scalars.items():
+        for step, value in values:
+            writer.add_scalar(tag, value, step)
+    writer.close()
+
+
+def test_a_resumed_run_counts_each_step_once_with_its_newest_value(tmp_path):
+    """Resumed from the checkpoint of step 20, a run logs steps 30 and 40 again in a new events file."""
+    from stability.report.reading import read_events
+
+    write_events(tmp_path, {"val/acc": [(10, 0.1), (20, 0.2), (30, 0.3), (40, 0.4)]})
+    write_events(tmp_path, {"val/acc": [(30, 0.33), (40, 0.44), (50, 0.55)]})
+    scalars, _ = read_events(tmp_path)
+    assert [step for step, _ in scalars["val/acc"]] == [10, 20, 30, 40, 50]
+    assert [value for _, value in scalars["val/acc"]] == pytest.approx([0.1, 0.2, 0.33, 0.44, 0.55])
+
+
+def test_wallclock_budgets_include_unfinished_runs(tmp_path):
+    """experiments/wallclock.py: the last epoch within each budget, unfinished sweep runs marked as such."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wallclock", Path(__file__).parents[1] / "experiments/wallclock.py")
+    wallclock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wallclock)
+    run = tmp_path / "seed=0"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed_everything: 0\n")
+    (run / "sweep_run.json").write_text(json.dumps({"configuration": "seed=0"}))  # no done.json: unfinished
+    epochs = [(1, 60.0, 0.5, 0.3, 0.1), (2, 60.0, 0.6, 0.4, 0.2), (3, 120.0, 0.7, 0.5, 0.25)]
+    write_events(run, {"time/train_epoch_s": [(e, s) for e, s, *_ in epochs],
+                       "val/acc": [(e, a) for e, _, a, _, _ in epochs],
+                       "certified/acc_L2_0.5": [(e, c) for e, _, _, c, _ in epochs],
+                       "certified/acc_L2_1.58": [(e, c) for e, *_, c in epochs]})
+    assert load_run(run) is None and load_run(run, unfinished=True).status == "unfinished"
+    text = wallclock.table(tmp_path, [1.5, 2, 10])
+    row = next(line for line in text.splitlines() if "unfinished: 3 epochs" in line)
+    assert [c.strip() for c in row.strip("|").split("|")][1:] == [
+        "0.500 / 0.300 / 0.100 (1 ep)", "0.600 / 0.400 / 0.200 (2 ep)", "0.700 / 0.500 / 0.250 (3 ep)"]

@@ -139,7 +139,13 @@ def read_events(run: Path) -> tuple[dict, dict]:
             histograms.setdefault(tag, []).extend(
                 (e.step, list(e.histogram_value.bucket_limit), list(e.histogram_value.bucket))
                 for e in events.Histograms(tag))
-    return scalars, histograms
+    return {tag: _newest_per_step(values) for tag, values in scalars.items()}, histograms
+
+
+def _newest_per_step(values: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """One value per step, the newest file's: a run resumed from a checkpoint writes a new events file that repeats
+    the steps logged after that checkpoint."""
+    return sorted(dict(values).items())
 
 
 def read_results(run: Path) -> dict[str, Any] | None:
@@ -148,13 +154,16 @@ def read_results(run: Path) -> dict[str, Any] | None:
     return json.loads(max(found, key=lambda p: p.stat().st_mtime).read_text()) if found else None
 
 
-def load_run(run: Path) -> RunRecord | None:
-    """The run's record, or None for a sweep run that did not finish."""
+def load_run(run: Path, unfinished: bool = False) -> RunRecord | None:
+    """The run's record, or None for a sweep run that did not finish (``unfinished``: its record so far, with status
+    ``"unfinished"``)."""
     sweep_run = run / "sweep_run.json"
     done = run / "done.json"
     if sweep_run.is_file() and not done.is_file():
-        return None
-    if done.is_file():
+        if not unfinished:
+            return None
+        status = "unfinished"
+    elif done.is_file():
         status = json.loads(done.read_text())["status"]
     else:
         status = "diverged" if (run / "diverged.json").is_file() else "completed"
