@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -254,8 +255,10 @@ class StabilityCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand not in (None, "fit"):
             # test / validate / predict save no checkpoint: without the callback, restoring the checkpoint's own
-            # callback state no longer warns that its directory "has changed" (noise to a user)
+            # callback state no longer warns that its directory "has changed", and Lightning's request to provide
+            # the callback again is left out (both are noise to a user who only measures)
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
         return trainer
 
     @staticmethod

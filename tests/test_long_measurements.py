@@ -100,6 +100,7 @@ def test_a_test_says_what_it_runs_for_how_long_and_one_line_per_measurement(chec
         assert any(f": {measurement} on " in line and "points/s" in line for line in said.splitlines()), measurement
     assert "%|" not in said  # no bars with the progress bar off
     assert "dirpath has changed" not in said and "checkpoint directory" not in said.lower()
+    assert "callbacks used to create the checkpoint" not in said
 
 
 def fake_mnist(root: Path, train: int = 120, test: int = 40) -> Path:
