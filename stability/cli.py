@@ -143,6 +143,13 @@ def requested_data_class(argv: list[str]) -> str | None:
     return found
 
 
+# Lightning's warning when a checkpoint holds the state of callbacks the trainer lacks, where the only ones missing are
+# the ModelCheckpoint(s) that test / validate / predict leave out on purpose
+ONLY_MODEL_CHECKPOINT_MISSING = (
+    r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided during "
+    r"`Trainer` instantiation\. Please add the following callbacks: \[(\"ModelCheckpoint\{[^\"]*\}\"(, )?)+\]\.$")
+
+
 class StabilityCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
         super().__init__(
@@ -255,11 +262,17 @@ class StabilityCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand not in (None, "fit"):
             # test / validate / predict save no checkpoint: without the callback, restoring the checkpoint's own
-            # callback state no longer warns that its directory "has changed", and Lightning's request to provide
-            # the callback again is left out (both are noise to a user who only measures)
+            # callback state no longer warns that its directory "has changed" (noise to a user who only measures);
+            # Lightning's request to provide it again is left out in _run_subcommand
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
-            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
         return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        if subcommand == "fit":
+            return super()._run_subcommand(subcommand)
+        with warnings.catch_warnings():  # for this subcommand only, and only when ModelCheckpoint is all it names
+            warnings.filterwarnings("ignore", message=ONLY_MODEL_CHECKPOINT_MISSING)
+            return super()._run_subcommand(subcommand)
 
     @staticmethod
     def _resume_point(ckpt_path: str, runs: Path, version: str | None) -> tuple[Path, str | None]:

@@ -166,3 +166,25 @@ def test_sigterm_during_a_fits_measurement_stops_within_seconds_and_keeps_the_ep
 
     last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 4 and last["epoch"] == 0  # the first epoch, kept
+
+
+def test_only_a_missing_model_checkpoint_is_left_unsaid():
+    """The filter stability test / validate apply: Lightning's line goes when the ModelCheckpoint they leave out is all
+    it names, and stays when it names another callback (a user's stateful callback is still reported)."""
+    import warnings
+
+    from stability.cli import ONLY_MODEL_CHECKPOINT_MISSING
+
+    def said(missing: list[str]) -> list[str]:
+        message = ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided "
+                   f"during `Trainer` instantiation. Please add the following callbacks: {missing}.")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", message=ONLY_MODEL_CHECKPOINT_MISSING)
+            warnings.warn(message, UserWarning, stacklevel=2)
+        return [str(w.message) for w in caught]
+
+    checkpoint = "ModelCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 0, 'every_n_epochs': 1}"
+    assert said([checkpoint]) == [] and said([checkpoint, checkpoint.replace("None", "'val/acc'")]) == []
+    assert len(said([checkpoint, "EarlyStopping{'monitor': 'val/loss', 'mode': 'min'}"])) == 1
+    assert len(said(["MyCallback"])) == 1

@@ -3,6 +3,7 @@ plain runs, histogram quantiles."""
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -262,7 +263,7 @@ def write_events(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> None
     """One TensorBoard events file in ``run`` (one file per call, as each process of a resumed run writes)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(run), filename_suffix=f".{len(list(run.glob('events.out.tfevents.*')))}")
+    writer = SummaryWriter(str(run))
     for tag, values in scalars.items():
         for step, value in values:
             writer.add_scalar(tag, value, step)
@@ -273,8 +274,13 @@ def test_a_resumed_run_counts_each_step_once_with_its_newest_value(tmp_path):
     """Resumed from the checkpoint of step 20, a run logs steps 30 and 40 again in a new events file."""
     from stability.report.reading import read_events
 
-    write_events(tmp_path, {"val/acc": [(10, 0.1), (20, 0.2), (30, 0.3), (40, 0.4)]})
-    write_events(tmp_path, {"val/acc": [(30, 0.33), (40, 0.44), (50, 0.55)]})
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    write_events(first, {"val/acc": [(10, 0.1), (20, 0.2), (30, 0.3), (40, 0.4)]})
+    time.sleep(0.05)
+    write_events(resumed, {"val/acc": [(30, 0.33), (40, 0.44), (50, 0.55)]})
+    # names that sort against the files' age (TensorBoard's names hold a per-process counter that can do the same)
+    next(first.glob("events.*")).rename(tmp_path / "events.out.tfevents.9.older")
+    next(resumed.glob("events.*")).rename(tmp_path / "events.out.tfevents.10.newer")
     scalars, _ = read_events(tmp_path)
     assert [step for step, _ in scalars["val/acc"]] == [10, 20, 30, 40, 50]
     assert [value for _, value in scalars["val/acc"]] == pytest.approx([0.1, 0.2, 0.33, 0.44, 0.55])

@@ -22,7 +22,7 @@ NOT_ATTACKS = ("clean", "attack_clean", "autoattack_clean")  # accuracies logged
 class RunRecord:
     path: Path
     config: dict[str, Any]
-    status: str                                   # completed | diverged
+    status: str                                   # completed | diverged | unfinished (wallclock.py)
     scalars: dict[str, list[tuple[int, float]]]
     histograms: dict[str, list]                   # tag -> [(step, limits, counts)]
     configuration: str = ""
@@ -129,9 +129,12 @@ def read_events(run: Path) -> tuple[dict, dict]:
 
     scalars: dict[str, list[tuple[int, float]]] = {}
     histograms: dict[str, list] = {}
-    for events_file in sorted(run.glob("events.out.tfevents.*")):  # fit, then test: one file each
+    loaded = []
+    for events_file in run.glob("events.out.tfevents.*"):  # fit, then test; a resumed fit adds one more
         events = EventAccumulator(str(events_file), size_guidance={"scalars": 0, "histograms": 0})
         events.Reload()
+        loaded.append((_first_wall_time(events), events_file.name, events))
+    for _, _, events in sorted(loaded, key=lambda entry: entry[:2]):  # oldest first: by when each began, not its name
         tags = events.Tags()
         for tag in tags.get("scalars", []):
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in events.Scalars(tag))
@@ -140,6 +143,13 @@ def read_events(run: Path) -> tuple[dict, dict]:
                 (e.step, list(e.histogram_value.bucket_limit), list(e.histogram_value.bucket))
                 for e in events.Histograms(tag))
     return {tag: _newest_per_step(values) for tag, values in scalars.items()}, histograms
+
+
+def _first_wall_time(events) -> float:
+    try:
+        return events.FirstEventTimestamp()
+    except ValueError:  # an empty file
+        return float("inf")
 
 
 def _newest_per_step(values: list[tuple[int, float]]) -> list[tuple[int, float]]:
