@@ -69,7 +69,14 @@ def main() -> int:
     p.add_argument("--budgets", default="15,30,60,120", help="training-time budgets in minutes, comma-separated")
     p.add_argument("--out", type=Path, help="write the table here (Markdown) as well as printing it")
     args = p.parse_args()
-    budgets = [float(b) for b in args.budgets.split(",")]
+    if not args.root.is_dir():
+        p.error(f"{args.root}: no such directory (give a sweep's runs, e.g. runs/sweeps/certified_long)")
+    try:
+        budgets = [float(b) for b in args.budgets.split(",")]
+    except ValueError:
+        p.error(f"--budgets {args.budgets!r}: need minutes as numbers, comma-separated (e.g. 15,30,60)")
+    if any(b <= 0 for b in budgets):
+        p.error(f"--budgets {args.budgets!r}: every budget must be > 0 minutes")
     text = (f"Validation clean / certified ℓ2 0.5 / certified ℓ2 1.58 accuracy (2,000 points) of the last epoch within "
             f"each budget of training time (`time/train_epoch_s`, summed), and its number of epochs.\n\n"
             f"`python experiments/wallclock.py {args.root} --budgets {args.budgets}`\n\n{table(args.root, budgets)}\n")

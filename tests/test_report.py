@@ -286,13 +286,28 @@ def test_a_resumed_run_counts_each_step_once_with_its_newest_value(tmp_path):
     assert [value for _, value in scalars["val/acc"]] == pytest.approx([0.1, 0.2, 0.33, 0.44, 0.55])
 
 
-def test_wallclock_budgets_include_unfinished_runs(tmp_path):
-    """experiments/wallclock.py: the last epoch within each budget, unfinished sweep runs marked as such."""
+def wallclock_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("wallclock", Path(__file__).parents[1] / "experiments/wallclock.py")
     wallclock = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wallclock)
+    return wallclock
+
+
+@pytest.mark.parametrize("args, said", [(["missing"], "no such directory"),
+                                        (["."], "need minutes as numbers"), (["."], "must be > 0")])
+def test_wallclock_refuses_a_missing_directory_and_bad_budgets(tmp_path, monkeypatch, capsys, args, said):
+    budgets = {"need minutes as numbers": "five", "must be > 0": "0,5"}.get(said, "5")
+    monkeypatch.setattr("sys.argv", ["wallclock.py", str(tmp_path / args[0]), "--budgets", budgets])
+    with pytest.raises(SystemExit) as stopped:
+        wallclock_script().main()
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_wallclock_budgets_include_unfinished_runs(tmp_path):
+    """experiments/wallclock.py: the last epoch within each budget, unfinished sweep runs marked as such."""
+    wallclock = wallclock_script()
     run = tmp_path / "seed=0"
     run.mkdir()
     (run / "config.yaml").write_text("seed_everything: 0\n")
