@@ -12,6 +12,7 @@ shared the same machine; runs that trained at the same time shared its cores, wh
 from __future__ import annotations
 
 import argparse
+import bisect
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,19 +27,32 @@ from stability.report.reading import find_runs, load_run  # noqa: E402
 RADII = ("0.5", "1.58")
 
 
+def _by_epoch(series: list[tuple[int, float]], ends: list[int]) -> list[float | None]:
+    """The value logged in each training epoch's window [end_k, end_{k+1}) of global steps (validation logs at its
+    epoch's last step; None where an epoch has none): joined by step, not by position, so resumed runs and
+    measurements every N epochs line up."""
+    values: list[float | None] = [None] * len(ends)
+    for step, value in series:
+        epoch = bisect.bisect_right(ends, step) - 1
+        if epoch >= 0:
+            values[epoch] = value
+    return values
+
+
 def at_budgets(run, budgets_s: list[float]) -> list[dict | None]:
     """Per budget: {epochs, seconds, acc, certified at each radius} of the last epoch within it (None: not one)."""
-    times = [value for _, value in run.scalars.get(tags.TIME_TRAIN_EPOCH, [])]
-    accuracy = [value for _, value in run.scalars.get(tags.stage_metric("val", "acc"), [])]
-    certified = {r: [value for _, value in run.scalars.get(f"{tags.CERTIFIED}/acc_L2_{r}", [])] for r in RADII}
+    timed = run.scalars.get(tags.TIME_TRAIN_EPOCH, [])
+    ends = [step for step, _ in timed]
+    accuracy = _by_epoch(run.scalars.get(tags.stage_metric("val", "acc"), []), ends)
+    certified = {r: _by_epoch(run.scalars.get(f"{tags.CERTIFIED}/acc_L2_{r}", []), ends) for r in RADII}
     rows = []
     for budget in budgets_s:
         elapsed, last = 0.0, None
-        for epoch, seconds in enumerate(times):
+        for epoch, (_, seconds) in enumerate(timed):
             elapsed += seconds
             if elapsed > budget:
                 break
-            if epoch < len(accuracy) and all(epoch < len(v) for v in certified.values()):
+            if accuracy[epoch] is not None and all(v[epoch] is not None for v in certified.values()):
                 last = {"epochs": epoch + 1, "seconds": elapsed, "acc": accuracy[epoch],
                         **{r: v[epoch] for r, v in certified.items()}}
         rows.append(last)

@@ -144,18 +144,17 @@ def test_pair_constants_keep_float64_and_reach_the_head_with_a_gradient():
 @pytest.mark.parametrize("ramp", ["linear", "log"])
 def test_the_schedule_reaches_its_values(ramp):
     schedule = EpsilonSchedule(1.58, overshoot=1.1, ramp=ramp, ramp_start=0.1, ramp_end=0.5, start=0.01)
-    final = 1.1 * 1.58
+    final, begin = 1.1 * 1.58, 0.0158  # GloRo's [0.01]-log-[50%:1.1] at ε = 1.58: from 0.01·ε to 1.1·ε
     assert schedule.final == pytest.approx(final)
-    assert schedule.at(0.0) == pytest.approx(0.01 * final) == schedule.at(0.1)
+    assert schedule.at(0.0) == pytest.approx(begin) == schedule.at(0.1)
     assert schedule.at(0.5) == pytest.approx(final) == schedule.at(0.9) == schedule.at(1.0)
     assert schedule.at(None) == pytest.approx(final)
     values = [schedule.at(t / 100) for t in range(101)]
     assert all(a <= b + 1e-15 for a, b in zip(values, values[1:]))  # never decreases
     t = 0.25  # halfway through the ramp
     if ramp == "linear":
-        assert schedule.at(0.3) == pytest.approx(0.01 * final + 0.5 * (final - 0.01 * final))
+        assert schedule.at(0.3) == pytest.approx(begin + 0.5 * (final - begin))
     else:  # GloRo's log curve: log((e^end − e^start)·t + e^start)
-        begin = 0.01 * final
         assert schedule.at(0.2) == pytest.approx(math.log((math.exp(final) - math.exp(begin)) * t + math.exp(begin)))
     assert EpsilonSchedule(0.5).at(0.0) == 0.5  # no ramp: the final value throughout
 

@@ -63,6 +63,21 @@ def test_the_isometric_initialisation_keeps_every_singular_value_at_one():
     torch.testing.assert_close(aol_weight(linear.weight), linear.weight)  # d = 1: W = P
 
 
+def test_the_rescaling_is_computed_in_float32_under_bf16_autocast():
+    """A GPU run trains under bf16 autocast and TF32: d's Gram sums must not round there (they moved the effective
+    weight by up to 0.5% before), so the network trained is the one the float64 Schur bound certifies."""
+    conv, linear = AOLConv2d(8, 16, 3), AOLLinear(64, 32)
+    for layer in (conv, linear):
+        randomised(layer).float()
+        reference = layer.effective_weight()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = layer.effective_weight()
+        assert under_autocast.dtype == torch.float32
+        torch.testing.assert_close(under_autocast, reference, rtol=1e-6, atol=0)
+    double = randomised(AOLLinear(6, 5))
+    assert aol_weight(double.weight).dtype == torch.float64  # float64 stays float64
+
+
 def test_maxmin_over_channels_permutes_each_point():
     x = torch.randn(2, 6, 3, 3)
     y = ChannelMaxMin()(x)
@@ -101,9 +116,41 @@ def test_the_certified_bound_is_above_the_exact_jacobian_norm_whole_and_per_pair
                 assert pair <= bound.features * float(torch.linalg.vector_norm(w[i] - w[j])) * (1 + 1e-12)
 
 
+def test_an_isometric_network_attains_the_features_bound():
+    """Random weights make AOL contract (the exact norm is ≈ 0.1 of the bound above), where a bound short by a
+    factor would still pass; here every hidden map is an isometry (one 1×1 convolution to two channels, orthogonal,
+    then MaxMin), so the exact Jacobian norm of the features *is* 1/σ_pixel and the bound must equal it: a bound
+    that dropped the 1/σ (2.5×) or a layer's factor fails."""
+    backbone = build_backbone("lipcnn", "micro", img_size=8, in_chans=1, num_classes=10, convs=[[2, 1, 1]], dense=[])
+    net = Network(backbone, [0.3], [0.4]).double()
+    bound, reason = certified_bound(net)
+    assert bound is not None, reason
+    x = torch.rand(1, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    features = torch.func.jacrev(lambda z: net.backbone.forward_features((z - net.mean) / net.std))(x)
+    exact = float(torch.linalg.matrix_norm(features.reshape(features.shape[1], -1), ord=2))
+    assert exact == pytest.approx(1 / net.std.min().item(), rel=1e-12)
+    assert bound.features == pytest.approx(exact, rel=1e-12)  # equal to the last bits (the radii add 1e-9 of slack)
+
+
+def margin_attack(network, images, labels, radii, steps=30):
+    """ℓ2 PGD on the margin z_y − max_{j≠y} z_j within each point's own radius (steps of radius/10)."""
+    delta = torch.zeros_like(images, requires_grad=True)
+    r = radii.view(-1, 1, 1, 1)
+    for _ in range(steps):
+        logits = network(images + delta)
+        top = logits.gather(1, labels[:, None]).squeeze(1)
+        other = logits.scatter(1, labels[:, None], -torch.inf).amax(1)
+        (grad,) = torch.autograd.grad((top - other).sum(), delta)
+        with torch.no_grad():
+            delta -= r / 10 * grad / grad.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, 1, 1, 1)
+            delta *= (r / delta.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, 1, 1, 1)).clamp(max=1)
+    with torch.no_grad():
+        return network(images + delta).argmax(-1)
+
+
 def test_the_anchor_certifies_through_the_float64_path_without_a_stabilizer():
     """``--stabilizer none`` on ``lipcnn``: the monitors get a float64 copy and its bound; the radii they certify
-    hold against the points' own perturbations (a radius is never beaten by a move inside it)."""
+    hold against a margin attack inside them, and the same attack at 16 radii flips every point (so it can fail)."""
     torch.manual_seed(0)
     module = ImageClassifier(backbone="lipcnn")
     bound, reason, exact = exact_certificate(module.stabilizers, module.network)
@@ -114,10 +161,9 @@ def test_the_anchor_certifies_through_the_float64_path_without_a_stabilizer():
     with torch.no_grad():
         labels = exact(images).argmax(-1)
         radii = certified_radii(exact(images), labels, bound)
-        for _ in range(20):
-            step = torch.randn(images.shape, generator=gen, dtype=torch.float64)
-            moved = images + 0.999 * radii.view(-1, 1, 1, 1) * step / step.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
-            assert (exact(moved).argmax(-1) == labels).all()
+    assert (radii > 0).all()
+    assert (margin_attack(exact, images, labels, 0.999 * radii) == labels).all()
+    assert (margin_attack(exact, images, labels, 16 * radii) != labels).all()
 
 
 def test_the_4c3f_preset_has_gloros_shapes():

@@ -50,6 +50,29 @@ def test_on_a_linear_network_the_ascent_reaches_the_exact_pair_constant():
     assert float(reached.median()) >= 0.999 and float(reached.min()) >= 0.9, reached  # the exact constant, found
 
 
+def test_the_best_pairs_are_evaluated_again_in_float64_and_tiny_distances_are_not_kept():
+    """The ratio reported is the float64 copy's (the function the certificate bounds): on the linear network it is
+    within float64 rounding of the exact constant, never above it; a pair closer than ``min_distance`` (where
+    float32 rounding over the distance is the ratio) is never kept."""
+    import copy
+
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone="lipcnn", backbone_options={"convs": [], "dense": []})
+    network = module.network.eval()
+    exact = copy.deepcopy(network).double()
+    bound, _ = certified_bound(exact)
+    k = certified_pair_constants(bound, 10)
+    images = torch.rand(8, 1, 8, 8, generator=torch.Generator().manual_seed(1)) * 0.5 + 0.25
+    ratio, pair = margin_lower_bound(network, images, steps=300, exact=exact)
+    assert ratio.dtype == torch.float64
+    reached = ratio / k[pair[:, 0], pair[:, 1]]
+    assert (reached <= 1 + 1e-12).all() and float(reached.median()) >= 0.999, reached
+    close, _ = margin_lower_bound(network, images, steps=1, start=1e-5, exact=exact)
+    assert (close == 0).all()
+    kept, _ = margin_lower_bound(network, images, steps=1, start=1e-5, exact=exact, min_distance=0)
+    assert (kept > 0).all()
+
+
 def test_the_pair_lower_bound_runs_at_test_and_says_the_bound_holds(tmp_path):
     import lightning as L
 
@@ -64,5 +87,5 @@ def test_the_pair_lower_bound_runs_at_test_and_says_the_bound_holds(tmp_path):
     trainer.test(module, Digits(batch_size=32))
     found = monitor.last_results["test"]
     assert 0 < found["margin_lower_bound"] <= found["margin_bound"] and found["margin_tightness"] >= 1
-    assert found["margin_pair_tightness_min"] >= 1 - 1e-6
+    assert found["margin_pair_tightness_min"] >= 1 - 1e-12  # both in float64, on the same copy
     assert trainer.callback_metrics["test_lipschitz/margin_tightness"] >= 1

@@ -322,3 +322,22 @@ def test_wallclock_budgets_include_unfinished_runs(tmp_path):
     row = next(line for line in text.splitlines() if "unfinished: 3 epochs" in line)
     assert [c.strip() for c in row.strip("|").split("|")][1:] == [
         "0.500 / 0.300 / 0.100 (1 ep)", "0.600 / 0.400 / 0.200 (2 ep)", "0.700 / 0.500 / 0.250 (3 ep)"]
+
+
+def test_wallclock_joins_times_and_measurements_by_step(tmp_path):
+    """Certified accuracy measured every second epoch: each budget reads the epoch the measurement belongs to (joined
+    by global step; by position, epoch 1's time would be paired with epoch 2's measurement)."""
+    wallclock = wallclock_script()
+    run = tmp_path / "seed=0"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed_everything: 0\n")
+    (run / "sweep_run.json").write_text(json.dumps({"configuration": "seed=0"}))
+    times = [(10, 60.0), (20, 60.0), (30, 60.0), (40, 60.0)]  # (last step of the epoch, seconds)
+    write_events(run, {"time/train_epoch_s": times,
+                       "val/acc": [(10, 0.5), (20, 0.6), (30, 0.7), (40, 0.8)],
+                       "certified/acc_L2_0.5": [(20, 0.4), (40, 0.6)],
+                       "certified/acc_L2_1.58": [(20, 0.2), (40, 0.3)]})
+    rows = wallclock.at_budgets(load_run(run, unfinished=True), [60, 120, 180, 240])
+    assert rows[0] is None
+    got = [v for r in rows[1:] for v in (r["epochs"], r["acc"], r["0.5"], r["1.58"])]
+    assert got == pytest.approx([2, 0.6, 0.4, 0.2, 2, 0.6, 0.4, 0.2, 4, 0.8, 0.6, 0.3])

@@ -115,15 +115,15 @@ class LipschitzMonitor(L.Callback):
                     metrics.update(_summary(key, values[key]))
             if "lower_bound" in values:
                 metrics["lower_bound_max"] = float(values["lower_bound"].max())
-            bound, reason, _ = exact_certificate(pl_module.stabilizers, network)  # float64: rounding cannot lower it
+            bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64, rounded outward
             metrics.update({f"{name}_bound_log10": math.log10(value) for stab in pl_module.stabilizers
                             for name, value in stab.labelled_bounds(network).items() if value > 0})
             if bound is not None and bound.value > 0:  # 0: a constant network (a zero-initialised head)
                 metrics["certified_log10"] = math.log10(bound.value)
                 metrics["certified_tightness"] = bound.value / float(values["local"].max())
-                if stage == "test" and self.pair_points:
+                if stage == "test" and self.pair_points and exact is not None:
                     try:
-                        metrics.update(self._pairs(dataset, count, network, bound, pl_module, session))
+                        metrics.update(self._pairs(dataset, count, network, bound, exact, pl_module, session))
                     except MeasurementInterrupted as stopped:
                         self._interrupted(stage, stopped, count)
                         return
@@ -162,13 +162,15 @@ class LipschitzMonitor(L.Callback):
                     for tag, value in histograms.items():
                         logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
 
-    def _pairs(self, dataset, count: int, network, bound, pl_module, session) -> dict[str, float]:
-        """The margins' lower bound from pairs against the certified per-pair constants (lipschitz/pairs.py)."""
+    def _pairs(self, dataset, count: int, network, bound, exact, pl_module, session) -> dict[str, float]:
+        """The margins' lower bound from pairs against the certified per-pair constants (lipschitz/pairs.py): the
+        ascent runs on the measured network, each point's best pair is evaluated again on the certificate's float64
+        copy ``exact``."""
         k = certified_pair_constants(bound, pl_module.hparams.num_classes)
 
         def ascent(index, images, _):
-            with evaluating(network):
-                ratio, pair = margin_lower_bound(network, images, self.pair_steps, seed=index)
+            with evaluating(network), evaluating(exact):
+                ratio, pair = margin_lower_bound(network, images, self.pair_steps, seed=index, exact=exact)
             return {"ratio": ratio, "pair": pair}
 
         batches = measure_batches(dataset, min(count, self.pair_points), self.batch_size, pl_module.device, ascent,

@@ -1,9 +1,9 @@
 """The radius a certified-training loss asks for at each step: a ramp from a small start, and an overshoot of the
 radius the model will be evaluated at (docs/methods.md#certified-training).
 
-* GloRo's code (klasleino/gloro, ``gloro.training.schedules``) trains at ε = 1.1 × the evaluated radius, reached by
-  ``logarithmic_half``: from 0.01·ε at the start to ε at half of training, on the curve
-  ε(t) = log((e^ε − e^ε₀)·t + e^ε₀) for t from 0 to 1 along the ramp (concave: fast at first), then constant.
+* GloRo's code (klasleino/gloro, ``gloro.training.schedules``; its MNIST command ``[0.01]-log-[50%:1.1]``) trains at
+  1.1 × the evaluated radius ε, starting from 0.01·ε and reaching 1.1·ε at half of training, on the curve
+  ε(t) = log((e^ε₁ − e^ε₀)·t + e^ε₀) for t from 0 to 1 along the ramp (concave: fast at first), then constant.
 * BCP (Lee et al. 2020, sungyoon-lee/bcp) ramps ε linearly from 0 after one clean epoch over 20 of 60 epochs.
 
 Progress is the fraction of the run's optimizer steps already taken (step / total steps); a loss called without a
@@ -29,7 +29,7 @@ class EpsilonSchedule:
         ramp: ``none`` (the final value throughout), ``linear`` or ``log`` (GloRo's logarithmic curve).
         ramp_start, ramp_end: fractions of training where the ramp starts and ends (before: the start value;
             after: the final value).
-        start: the start value as a fraction of the final one (GloRo: 0.01; BCP: 0).
+        start: the start value as a fraction of ``eps``, the evaluated radius (GloRo: 0.01; BCP: 0).
     """
 
     eps: float
@@ -48,7 +48,7 @@ class EpsilonSchedule:
             raise ValueError(f"need 0 <= ramp_start < ramp_end <= 1 (fractions of training); got {self.ramp_start}, "
                              f"{self.ramp_end}")
         if not 0 <= self.start <= 1:
-            raise ValueError(f"start is a fraction of the final eps in [0, 1], got {self.start}")
+            raise ValueError(f"start is a fraction of eps in [0, 1], got {self.start}")
         if self.ramp == "log" and self.start == 0 and self.eps == 0:
             raise ValueError("a log ramp needs eps > 0")
 
@@ -63,7 +63,7 @@ class EpsilonSchedule:
         if self.ramp == "none" or progress is None:
             return end
         t = min(1.0, max(0.0, (progress - self.ramp_start) / (self.ramp_end - self.ramp_start)))
-        begin = self.start * end
+        begin = min(self.start * self.eps, end)
         if self.ramp == "linear":
             return begin + (end - begin) * t
         return math.log((math.exp(end) - math.exp(begin)) * t + math.exp(begin))

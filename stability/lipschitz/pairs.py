@@ -19,9 +19,14 @@ from torch import nn
 
 
 def margin_lower_bound(network: nn.Module, images: torch.Tensor, steps: int = 200, lr: float = 1e-2,
-                       start: float = 0.05, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                       start: float = 0.05, seed: int = 0, exact: nn.Module | None = None,
+                       min_distance: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratio (B,), pair classes (B, 2)): per starting point, the largest |Δ(z_t − z_j)|/‖x₁ − x₂‖ found and the class
-    pair (t, j) it was found for. ``start``: the ℓ2 size of the random first move of x₂ (pixel units)."""
+    pair (t, j) it was found for. ``start``: the ℓ2 size of the random first move of x₂ (pixel units).
+
+    Pairs closer than ``min_distance`` are not kept (their ratio would be rounding noise over a tiny distance). With
+    ``exact`` (the float64 copy a certificate is computed on), the best pair of each point is evaluated again there
+    and that ratio is returned, in float64: a lower bound of the very function the certificate bounds."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.enable_grad(), torch.inference_mode(False):
         x1 = images.detach().clone()
@@ -31,6 +36,7 @@ def margin_lower_bound(network: nn.Module, images: torch.Tensor, steps: int = 20
         optimizer = torch.optim.Adam([x1, x2], lr=lr)
         best = x1.new_zeros(len(x1))
         pairs = torch.zeros(len(x1), 2, dtype=torch.long, device=x1.device)
+        kept1, kept2 = x1.detach().clone(), x2.detach().clone()
         for _ in range(steps):
             z1, z2 = network(x1), network(x2)
             top = z1.detach().argmax(dim=-1, keepdim=True)
@@ -39,15 +45,33 @@ def margin_lower_bound(network: nn.Module, images: torch.Tensor, steps: int = 20
             distance = (x1 - x2).flatten(1).norm(dim=1).clamp_min(1e-12)
             ratio = (m1 - m2).abs() / distance[:, None]  # (B, K); 0 at j = t
             value, j = ratio.max(dim=-1)
-            better = value.detach() > best
+            better = (value.detach() > best) & (distance.detach() >= min_distance)
             best = torch.where(better, value.detach(), best)
             pairs = torch.where(better[:, None], torch.cat([top, j[:, None]], dim=-1), pairs)
+            kept1 = torch.where(better.view(-1, *[1] * (x1.ndim - 1)), x1.detach(), kept1)
+            kept2 = torch.where(better.view(-1, *[1] * (x1.ndim - 1)), x2.detach(), kept2)
             x1.grad, x2.grad = torch.autograd.grad(-value.sum(), [x1, x2])  # the network's own gradients untouched
             optimizer.step()
             with torch.no_grad():
                 x1.clamp_(0, 1)
                 x2.clamp_(0, 1)
-    return best, pairs
+    if exact is None:
+        return best, pairs
+    return _evaluated_in(exact, kept1, kept2, best > 0)
+
+
+@torch.no_grad()
+def _evaluated_in(network: nn.Module, x1: torch.Tensor, x2: torch.Tensor, found: torch.Tensor):
+    """max_j |Δ(z_t − z_j)|/‖x₁ − x₂‖ of kept pairs, in the network's dtype (float64 for a certificate's copy); 0 where
+    no pair was kept."""
+    dtype = next(network.parameters()).dtype
+    x1, x2 = x1.to(dtype), x2.to(dtype)
+    z1, z2 = network(x1), network(x2)
+    top = z1.argmax(dim=-1, keepdim=True)
+    ratio = ((z1.gather(-1, top) - z1) - (z2.gather(-1, top) - z2)).abs()
+    ratio = ratio / (x1 - x2).flatten(1).norm(dim=1).clamp_min(1e-300)[:, None]
+    value, j = ratio.max(dim=-1)
+    return torch.where(found, value, torch.zeros_like(value)), torch.cat([top, j[:, None]], dim=-1)
 
 
 def certified_pair_constants(bound, num_classes: int) -> torch.Tensor:

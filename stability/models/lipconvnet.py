@@ -3,7 +3,8 @@
 and certified by the same code (docs/methods.md#the-convolutional-anchor).
 
 4C3F: conv 32 3×3, conv 32 4×4 stride 2, conv 64 3×3, conv 64 4×4 stride 2, dense 512, dense 512, dense K, each
-hidden layer followed by MaxMin (GloRo's current code: MinMax activations, orthogonal initialisation).
+hidden layer followed by MaxMin (GloRo's current code: MinMax activations, orthogonal initialisation; here the
+hidden layers start as isometries, the head keeps PyTorch's default).
 
 Where GloRo bounds each layer by power iteration (an estimate), every hidden layer here is an AOL layer
 (:mod:`stability.nn.aol`): 1-Lipschitz by construction, and bounded at certification time from its effective weight

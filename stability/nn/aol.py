@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .lipschitz_blocks import max_min
+from .precision import at_least_float32, float32_math
 
 
 def _gram_rows(gram: torch.Tensor) -> torch.Tensor:
@@ -41,14 +42,19 @@ def gram(weight: torch.Tensor) -> torch.Tensor:
 
 
 def aol_scale(weight: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """d_i = (Σ_j |PᵀP|_ij)^(−1/2), one per input feature (input channel), in the weight's dtype."""
-    return _gram_rows(gram(weight)).clamp_min(eps).rsqrt()
+    """d_i = (Σ_j |PᵀP|_ij)^(−1/2), one per input feature (input channel), in at least float32 and at least the
+    weight's dtype, with autocast and TF32 off: the Gram's sums in bf16 or TF32 move d by up to ~0.5%, and the
+    network trained would not be the one :func:`schur_bound` certifies."""
+    with float32_math(weight.device.type):
+        rows = _gram_rows(gram(at_least_float32(weight)))
+    return rows.clamp_min(eps).rsqrt()
 
 
 def aol_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W = P·diag(d): the columns (input channels) of P rescaled so that ‖W‖₂ ≤ 1."""
+    """W = P·diag(d): the columns (input channels) of P rescaled so that ‖W‖₂ ≤ 1 (in the weight's dtype)."""
     d = aol_scale(weight)
-    return weight * (d if weight.ndim == 2 else d[None, :, None, None])
+    scaled = at_least_float32(weight) * (d if weight.ndim == 2 else d[None, :, None, None])
+    return scaled.to(weight.dtype)
 
 
 def schur_bound(parameter: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -100,8 +106,9 @@ class AOLConv2d(nn.Conv2d):
 class StridedAOLConv(nn.Module):
     """A k × k convolution of stride 2 (k even) as an isometry and a stride-1 AOL convolution: the input's 2 × 2
     blocks become channels (``pixel_unshuffle``, a permutation of the pixels), then a (k/2) × (k/2) AOL convolution.
-    This computes the same family of functions as GloRo's 4 × 4 stride-2 convolutions (each output reads a 4 × 4
-    window of the input, at even offsets), and its AOL bound is that of a stride-1 convolution, where AOL applied to
+    This computes the same family of functions as GloRo's 4 × 4 stride-2 convolutions up to a one-pixel shift of the
+    windows (each output reads a 4 × 4 window of the input starting at an even offset; TensorFlow's ``same`` padding
+    starts GloRo's at odd ones), and its AOL bound is that of a stride-1 convolution, where AOL applied to
     the strided kernel would bound the unstrided one (four times the outputs)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 4, bias: bool = True) -> None:

@@ -17,9 +17,9 @@ class CertifiedLoss(Stabilizer):
     """Args shared by every certified-training loss:
         eps: the ℓ2 radius (pixel units) the model is to certify.
         overshoot: train at overshoot·eps (GloRo: 1.1).
-        ramp: ``none``, ``linear`` or ``log`` (GloRo's logarithmic curve) from ``ramp_from``·(overshoot·eps).
+        ramp: ``none``, ``linear`` or ``log`` (GloRo's logarithmic curve) from ``ramp_from``·eps to overshoot·eps.
         ramp_start, ramp_end: fractions of training where the ramp starts and ends.
-        ramp_from: the ramp's start as a fraction of its final value (GloRo 0.01, BCP 0).
+        ramp_from: the ramp's start as a fraction of eps (GloRo 0.01: ``[0.01]-log-[50%:1.1]``; BCP 0).
         temperature: τ of CE(τ·logits)/τ (1 in the papers).
         iterations: power-iteration steps per training step for a bound composed from σ₁ estimates.
         bound_gradient: differentiate the loss through the bound (false: it is constant for the step).

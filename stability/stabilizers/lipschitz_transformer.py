@@ -92,7 +92,8 @@ class LipschitzTransformer(Stabilizer):
             reads every token, :class:`~stability.nn.lipschitz_blocks.FlattenLinear`; ViT).
         last_layer_norm: the head's rows normalised to unit length (Singla et al. 2022,
             :class:`~stability.nn.lipschitz_blocks.NormalizedLinear`): each class pair's certificate constant is then
-            at most 2·(features' bound); initialised orthogonal, not zero (a zero row has no direction).
+            at most 2·|c|·(features' bound), c the logit scale; initialised orthogonal, not zero (a zero row has no
+            direction).
     """
 
     name = "lipschitz_transformer"
