@@ -93,6 +93,12 @@ def test_gloro_loss_plain_trades_and_temperature():
     torch.testing.assert_close(gloro_loss(z, y, bound, eps, temperature=tau), hot)
     soft = F.one_hot(y, K).double()  # soft labels: ⊥ receives nothing, as with hard labels
     torch.testing.assert_close(gloro_loss(z, soft, bound, eps), plain)
+    # TRADES at temperature τ, written out: both softmaxes read τ·logits, the KL in full, the sum divided by τ
+    p = F.pad((tau * z).softmax(-1), (0, 1))
+    q = (tau * extended).softmax(-1)
+    kl = torch.where(p > 0, p * (p.log() - q.log()), torch.zeros_like(p)).sum(-1)
+    written_out = (F.cross_entropy(tau * z, y) + lam * kl.mean()) / tau
+    torch.testing.assert_close(gloro_loss(z, y, bound, eps, trades=lam, temperature=tau), written_out)
 
 
 def test_emma_scales_each_pair_by_its_clipped_radius_and_holds_the_scale_constant():

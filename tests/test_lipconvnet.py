@@ -78,6 +78,18 @@ def test_the_rescaling_is_computed_in_float32_under_bf16_autocast():
     assert aol_weight(double.weight).dtype == torch.float64  # float64 stays float64
 
 
+def test_the_anchor_compiles_in_one_graph_with_the_rescaling_out_of_autocast():
+    """``--model.compile true``: the float32 rescaling must not break the graph at every layer (setting the TF32
+    flags inside it did: 23 breaks), and inside the graph autocast is still off for it."""
+    torch._dynamo.reset()
+    net = Network(build_backbone("lipcnn", "micro", img_size=8, in_chans=1, num_classes=10), [0.3], [0.4])
+    assert torch._dynamo.explain(net)(torch.rand(2, 1, 8, 8)).graph_break_count == 0
+    layer = net.backbone.features[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = torch.compile(layer.effective_weight, backend="eager")()
+    torch.testing.assert_close(compiled, layer.effective_weight(), rtol=1e-6, atol=0)
+
+
 def test_maxmin_over_channels_permutes_each_point():
     x = torch.randn(2, 6, 3, 3)
     y = ChannelMaxMin()(x)

@@ -44,9 +44,15 @@ def gram(weight: torch.Tensor) -> torch.Tensor:
 def aol_scale(weight: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """d_i = (Σ_j |PᵀP|_ij)^(−1/2), one per input feature (input channel), in at least float32 and at least the
     weight's dtype, with autocast and TF32 off: the Gram's sums in bf16 or TF32 move d by up to ~0.5%, and the
-    network trained would not be the one :func:`schur_bound` certifies."""
-    with float32_math(weight.device.type):
-        rows = _gram_rows(gram(at_least_float32(weight)))
+    network trained would not be the one :func:`schur_bound` certifies. Inside ``torch.compile`` only autocast is
+    switched off (setting the TF32 flags would break the graph at every layer): the run's TF32 setting applies."""
+    weight = at_least_float32(weight)
+    if torch.compiler.is_compiling():
+        with torch.autocast(weight.device.type, enabled=False):
+            rows = _gram_rows(gram(weight))
+    else:
+        with float32_math(weight.device.type):
+            rows = _gram_rows(gram(weight))
     return rows.clamp_min(eps).rsqrt()
 
 
