@@ -69,7 +69,7 @@ def _evaluated_in(network: nn.Module, x1: torch.Tensor, x2: torch.Tensor, found:
     z1, z2 = network(x1), network(x2)
     top = z1.argmax(dim=-1, keepdim=True)
     ratio = ((z1.gather(-1, top) - z1) - (z2.gather(-1, top) - z2)).abs()
-    ratio = ratio / (x1 - x2).flatten(1).norm(dim=1).clamp_min(1e-300)[:, None]
+    ratio = ratio / (x1 - x2).flatten(1).norm(dim=1).clamp_min(torch.finfo(dtype).tiny)[:, None]
     value, j = ratio.max(dim=-1)
     return torch.where(found, value, torch.zeros_like(value)), torch.cat([top, j[:, None]], dim=-1)
 
