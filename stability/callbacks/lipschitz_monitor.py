@@ -121,7 +121,7 @@ class LipschitzMonitor(L.Callback):
             if bound is not None and bound.value > 0:  # 0: a constant network (a zero-initialised head)
                 metrics["certified_log10"] = math.log10(bound.value)
                 metrics["certified_tightness"] = bound.value / float(values["local"].max())
-                if stage == "test" and self.pair_points and exact is not None:
+                if stage == "test" and self.pair_points:
                     try:
                         metrics.update(self._pairs(dataset, count, network, bound, exact, pl_module, session))
                     except MeasurementInterrupted as stopped:

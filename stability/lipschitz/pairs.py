@@ -40,16 +40,13 @@ def margin_lower_bound(network: nn.Module, images: torch.Tensor, steps: int = 20
         for _ in range(steps):
             z1, z2 = network(x1), network(x2)
             top = z1.detach().argmax(dim=-1, keepdim=True)
-            m1 = z1.gather(-1, top) - z1  # (B, K): z_t − z_j at x₁
-            m2 = z2.gather(-1, top) - z2
-            distance = (x1 - x2).flatten(1).norm(dim=1).clamp_min(1e-12)
-            ratio = (m1 - m2).abs() / distance[:, None]  # (B, K); 0 at j = t
-            value, j = ratio.max(dim=-1)
+            distance = (x1 - x2).flatten(1).norm(dim=1)
+            value, j = _largest_margin_ratio(z1, z2, top, distance.clamp_min(1e-12))
             better = (value.detach() > best) & (distance.detach() >= min_distance)
             best = torch.where(better, value.detach(), best)
             pairs = torch.where(better[:, None], torch.cat([top, j[:, None]], dim=-1), pairs)
-            kept1 = torch.where(better.view(-1, *[1] * (x1.ndim - 1)), x1.detach(), kept1)
-            kept2 = torch.where(better.view(-1, *[1] * (x1.ndim - 1)), x2.detach(), kept2)
+            per_image = better.view(-1, *[1] * (x1.ndim - 1))
+            kept1, kept2 = torch.where(per_image, x1.detach(), kept1), torch.where(per_image, x2.detach(), kept2)
             x1.grad, x2.grad = torch.autograd.grad(-value.sum(), [x1, x2])  # the network's own gradients untouched
             optimizer.step()
             with torch.no_grad():
@@ -60,6 +57,14 @@ def margin_lower_bound(network: nn.Module, images: torch.Tensor, steps: int = 20
     return _evaluated_in(exact, kept1, kept2, best > 0)
 
 
+def _largest_margin_ratio(z1: torch.Tensor, z2: torch.Tensor, top: torch.Tensor, distance: torch.Tensor):
+    """(value, j): max_j |(z_t − z_j)(x₁) − (z_t − z_j)(x₂)| / ‖x₁ − x₂‖ per point, and the j attaining it (the
+    ratio is 0 at j = t)."""
+    margins1 = z1.gather(-1, top) - z1  # (B, K): z_t − z_j at x₁
+    margins2 = z2.gather(-1, top) - z2
+    return ((margins1 - margins2).abs() / distance[:, None]).max(dim=-1)
+
+
 @torch.no_grad()
 def _evaluated_in(network: nn.Module, x1: torch.Tensor, x2: torch.Tensor, found: torch.Tensor):
     """max_j |Δ(z_t − z_j)|/‖x₁ − x₂‖ of kept pairs, in the network's dtype (float64 for a certificate's copy); 0 where
@@ -68,9 +73,7 @@ def _evaluated_in(network: nn.Module, x1: torch.Tensor, x2: torch.Tensor, found:
     x1, x2 = x1.to(dtype), x2.to(dtype)
     z1, z2 = network(x1), network(x2)
     top = z1.argmax(dim=-1, keepdim=True)
-    ratio = ((z1.gather(-1, top) - z1) - (z2.gather(-1, top) - z2)).abs()
-    ratio = ratio / (x1 - x2).flatten(1).norm(dim=1).clamp_min(torch.finfo(dtype).tiny)[:, None]
-    value, j = ratio.max(dim=-1)
+    value, j = _largest_margin_ratio(z1, z2, top, (x1 - x2).flatten(1).norm(dim=1).clamp_min(torch.finfo(dtype).tiny))
     return torch.where(found, value, torch.zeros_like(value)), torch.cat([top, j[:, None]], dim=-1)
 
 

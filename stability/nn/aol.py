@@ -47,12 +47,10 @@ def aol_scale(weight: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     network trained would not be the one :func:`schur_bound` certifies. Inside ``torch.compile`` only autocast is
     switched off (setting the TF32 flags would break the graph at every layer): the run's TF32 setting applies."""
     weight = at_least_float32(weight)
-    if torch.compiler.is_compiling():
-        with torch.autocast(weight.device.type, enabled=False):
-            rows = _gram_rows(gram(weight))
-    else:
-        with float32_math(weight.device.type):
-            rows = _gram_rows(gram(weight))
+    device = weight.device.type
+    exact = torch.autocast(device, enabled=False) if torch.compiler.is_compiling() else float32_math(device)
+    with exact:
+        rows = _gram_rows(gram(weight))
     return rows.clamp_min(eps).rsqrt()
 
 
