@@ -5,7 +5,8 @@ Implemented for the ViT backbone (timm ``VisionTransformer``) when every factor 
     Lip(f) ≤ (1/min σ_pixel) · ‖patch conv‖ · Π_blocks Lip(block) · Lip(final norm) · ‖W_head‖
 
 * the patch embedding has stride = kernel (non-overlapping patches), so its operator norm is σ₁
-  of the reshaped kernel exactly; position embeddings and the class token are constants;
+  of the reshaped kernel exactly (the hybrid's AOL stem: the product of its layers' Schur bounds); position
+  embeddings and the class token are constants;
 * a pre-norm residual branch x + α ⊙ f(N(x)) has Lip ≤ 1 + max|α|·Lip(f)·Lip(N) (LipsFormer,
   Theorem 2), with N CenterNorm (D/(D−1)·max|γ|) or Identity — LayerNorm has no global bound;
 * scaled cosine attention: one head by LipsFormer's Theorem 1 (with the learned τ, ν and the
@@ -36,6 +37,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..models import AttentionSite, ConvexResidualBlock, KernelAttention, PatchLinear, vit_tokens
+from ..models.hybrid import is_stem
 from ..nn.center_norm import CenterNorm
 from ..nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
 from ..nn.lipschitz_blocks import activation_lipschitz as known_activation_lipschitz
@@ -117,17 +119,21 @@ def branch_scale(module: nn.Module) -> float:
     return 1.0
 
 
-def _vit(network: nn.Module) -> tuple[VisionTransformer, torch.Tensor]:
-    """The ViT backbone and its patch embedding's weight, which must not overlap (else: Unbounded)."""
+def _vit(network: nn.Module) -> tuple[VisionTransformer, float]:
+    """The ViT backbone and the bound of its embedding from the normalised image: σ₁ of the patch embedding, which
+    must not overlap (else: Unbounded), times its norm's; or the hybrid's AOL stem's float64 bound."""
     backbone = network.backbone
     if not isinstance(backbone, VisionTransformer):
         raise Unbounded(f"certified bounds are implemented for the ViT backbone, not {type(backbone).__name__}")
-    proj = backbone.patch_embed.proj
+    embedding = backbone.patch_embed
+    if is_stem(embedding):
+        return backbone, float(embedding.lipschitz())
+    proj = embedding.proj
     if isinstance(proj, PatchLinear):
-        return backbone, proj.linear.weight
+        return backbone, sigma(proj.linear.weight) * norm_lipschitz(embedding.norm)
     if tuple(proj.stride) != tuple(proj.kernel_size):
         raise Unbounded("overlapping patch embedding")
-    return backbone, proj.weight
+    return backbone, sigma(proj.weight) * norm_lipschitz(embedding.norm)
 
 
 def _with_head(features: float, network: nn.Module, backbone: VisionTransformer, label: str, domain: str) -> Bound:
@@ -147,10 +153,10 @@ def _scaled_head(network: nn.Module, head: nn.Linear) -> torch.Tensor:
 
 
 def vit_bound(network: nn.Module) -> Bound:
-    backbone, embed = _vit(network)
+    backbone, embedding = _vit(network)
     if getattr(backbone, "attn_pool", None) is not None:
         raise Unbounded("attention pooling (global_pool='map') is not accounted for")
-    bound = 1.0 / float(network.std.min()) * sigma(embed) * norm_lipschitz(backbone.patch_embed.norm)
+    bound = 1.0 / float(network.std.min()) * embedding
     bound *= norm_lipschitz(backbone.norm_pre)  # pre_norm: a norm before the blocks (CenterNorm under LipsFormer)
     tokens = vit_tokens(backbone)
     for block in backbone.blocks:

@@ -7,7 +7,8 @@ linear head, the bound of its input and its weight for the per-pair constants).
   per training step, as Tsuzuku et al. do), on bases kept as buffers of the network, in float32 with autocast off;
   differentiable through the estimates (σ̂ = uᵀWv, u and v held constant) unless ``differentiable`` is off. The
   estimates approach σ₁ from below, so the training bound is at most the certified one; certification (at test)
-  always uses the exact bound.
+  always uses the exact bound. The hybrid's AOL stem enters as 1 per layer (by construction), as the anchor's
+  layers do.
 * **The convolutional anchor** (``lipcnn``): every hidden layer is 1-Lipschitz by construction (AOL), so the
   features' bound is 1/min σ_pixel, a constant; the head's weight is the trained one (with its gradient), its σ₁
   estimated on the device (:func:`~stability.nn.spectral.top_singular_value`).
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from ..certified_training.losses import MarginBound
+from ..models.hybrid import is_stem
 from ..nn.lipschitz_blocks import effective_weight
 from ..nn.precision import at_least_float32, float32_math
 from ..nn.spectral import SubspaceIteration, top_singular_value
@@ -74,6 +76,8 @@ class TrainingBound:
         matrices = bound_matrices(network)
         weights = [matrices[name] for name in self._names]
         sigmas: dict[str, torch.Tensor] = {}
+        if is_stem(network.backbone.patch_embed):  # the hybrid's AOL stem: 1 per layer by construction
+            sigmas["stem"] = torch.ones((), dtype=torch.float32, device=network.mean.device)
         for group in self._power.step(weights, self.iterations):
             stacked = torch.stack([weights[i] for i in group.indices]).to(group.weight.dtype)  # with the graph
             values = torch.einsum("gm,gmn,gn->g", group.u, stacked, group.v)

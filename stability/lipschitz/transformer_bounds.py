@@ -48,6 +48,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..models import AttentionSite, ConvexResidualBlock, PatchLinear, vit_tokens
+from ..models.hybrid import AOLStem, is_stem
 from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound, unit_divisor
 from ..nn.lipschitz_blocks import LipschitzDotKernel, activation_lipschitz, effective_weight
 from ..nn.token_mixing import TokenMixing
@@ -69,17 +70,23 @@ def _size(t: torch.Tensor | None, differentiable: bool, like: torch.Tensor) -> t
     return (t if differentiable else t.detach()).to(like.dtype).norm()
 
 
-def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d, list[ConvexResidualBlock]]:
+def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d | AOLStem,
+                                         list[ConvexResidualBlock]]:
+    """The ViT, its embedding (the patch embedding's Linear or Conv2d, or the hybrid's :class:`AOLStem`) and its
+    blocks, or NotALipschitzTransformer naming the part that has no bound here."""
     backbone = network.backbone
     if not isinstance(backbone, VisionTransformer):
         raise NotALipschitzTransformer(f"the bounds are implemented for the ViT backbone, not "
                                        f"{type(backbone).__name__}")
-    proj = backbone.patch_embed.proj
-    embed = proj.linear if isinstance(proj, PatchLinear) else proj
-    if isinstance(proj, nn.Conv2d) and tuple(proj.stride) != tuple(proj.kernel_size):
-        raise NotALipschitzTransformer("overlapping patch embedding")
-    if not isinstance(backbone.patch_embed.norm, nn.Identity):
-        raise NotALipschitzTransformer("a norm in the patch embedding")
+    if is_stem(backbone.patch_embed):
+        embed = backbone.patch_embed
+    else:
+        proj = backbone.patch_embed.proj
+        embed = proj.linear if isinstance(proj, PatchLinear) else proj
+        if isinstance(proj, nn.Conv2d) and tuple(proj.stride) != tuple(proj.kernel_size):
+            raise NotALipschitzTransformer("overlapping patch embedding")
+        if not isinstance(backbone.patch_embed.norm, nn.Identity):
+            raise NotALipschitzTransformer("a norm in the patch embedding")
     for where, norm in (("a final", backbone.norm), ("a final", backbone.fc_norm), ("a pre-block (pre_norm)",
                                                                                     backbone.norm_pre)):
         if not isinstance(norm, nn.Identity):
@@ -117,13 +124,14 @@ def _largest_patch(network: nn.Module, backbone: VisionTransformer, dtype: torch
     return (pixel.pow(2) * kh * kw).sum().sqrt()
 
 
-def _token_size(backbone: VisionTransformer, embed_sigma: torch.Tensor, embed, patch: torch.Tensor,
-                differentiable: bool, per_token: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """max over tokens of the size of an embedded token (``per_token`` measures a vector's size):
-    ‖W_e‖·max‖patch‖ + max_i ‖b_e + pos_i‖ over the patches, and each prefix token's (class, registers) own size,
-    with its position where it has one. timm adds the positions to the prefix tokens too unless
-    ``no_embed_class`` (then the position table has one row per patch only)."""
-    dtype = patch.dtype
+def _token_size(backbone: VisionTransformer, spread: torch.Tensor, centre: torch.Tensor, differentiable: bool,
+                per_token: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """max over tokens of the size of an embedded token (``per_token`` measures a vector's size): each patch token i
+    is centre_i + pos_i + e_i with ‖e_i‖ ≤ ``spread`` (``centre``: (N, D) or (1, D), the tokens of the box's
+    centre, or the embedding's bias), so its size is ≤ spread + max_i ‖centre_i + pos_i‖; and each prefix token's
+    (class, registers) own size, with its position where it has one. timm adds the positions to the prefix tokens
+    too unless ``no_embed_class`` (then the position table has one row per patch only)."""
+    dtype = spread.dtype
 
     def value(t: torch.Tensor) -> torch.Tensor:
         return (t if differentiable else t.detach()).to(dtype)
@@ -131,9 +139,8 @@ def _token_size(backbone: VisionTransformer, embed_sigma: torch.Tensor, embed, p
     pos = None if backbone.pos_embed is None else value(backbone.pos_embed[0])
     prefix = backbone.num_prefix_tokens
     prefix_pos = 0 if backbone.no_embed_class else prefix  # the position rows that belong to prefix tokens
-    bias = patch.new_zeros(embed.weight.shape[0]) if embed.bias is None else value(embed.bias)
-    shifts = bias + pos[prefix_pos:] if pos is not None else bias[None]
-    size = embed_sigma * patch + per_token(shifts).max()
+    shifts = centre + pos[prefix_pos:] if pos is not None else centre
+    size = spread + per_token(shifts).max()
     tokens = [value(t)[0] for t in (backbone.cls_token, backbone.reg_token) if t is not None]  # each (n, D)
     if tokens:
         constants = torch.cat(tokens)  # (prefix, D)
@@ -153,7 +160,7 @@ def bound_matrices(network: nn.Module) -> dict[str, torch.Tensor]:
     of W_O: ``i.o<h>``), the whole W_O (``i.o``), the MLP (``i.fc1``, ``i.fc2``), and the ``head``.
     They are views of the current weights (differentiable)."""
     backbone, embed, blocks = _parts(network)
-    matrices = {"embed": embed.weight.reshape(embed.weight.shape[0], -1)}
+    matrices = {} if is_stem(embed) else {"embed": embed.weight.reshape(embed.weight.shape[0], -1)}
     for i, wrapper in enumerate(blocks):
         attn, mlp = wrapper.block.attn, wrapper.block.mlp
         matrices[f"{i}.fc1"], matrices[f"{i}.fc2"] = mlp.fc1.weight, mlp.fc2.weight
@@ -185,9 +192,8 @@ def pixel_bound(network: nn.Module, differentiable: bool = False,
                   for name, m in bound_matrices(network).items()}
     dtype = sigmas["head"].dtype
     tokens = vit_tokens(backbone)
-    r = _token_size(backbone, sigmas["embed"], embed, _largest_patch(network, backbone, dtype), differentiable,
-                    lambda t: t.norm(dim=-1))
-    bound = sigmas["embed"] / network.std.to(dtype).min()
+    embedding, r = _embedding(network, backbone, embed, sigmas, dtype, differentiable)
+    bound = embedding / network.std.to(dtype).min()
     for i, wrapper in enumerate(blocks):
         block, a = wrapper.block, wrapper.a
         attn = block.attn
@@ -208,6 +214,36 @@ def pixel_bound(network: nn.Module, differentiable: bool = False,
     if backbone.global_pool == "avg":
         bound = bound / math.sqrt(backbone.patch_embed.num_patches)
     return bound * sigmas["head"] * abs(network.logit_scale), bound
+
+
+def _embedding(network: nn.Module, backbone: VisionTransformer, embed, sigmas: dict[str, torch.Tensor],
+               dtype: torch.dtype, differentiable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the embedding's bound from the normalised image, the largest token it makes on the pixel box).
+
+    Patch embedding: σ₁(W_e), tokens ≤ ‖W_e‖·max‖patch‖ + max_i ‖b_e + pos_i‖. The hybrid's stem (:class:`AOLStem`):
+    Π b_l, the layers' float64 Schur bounds (``sigmas["stem"]`` where given: a training bound takes AOL's 1 by
+    construction), and around the box's centre z₀ (every pixel ½), token i ≤ ‖stem(z₀)_i + pos_i‖ + L_stem·‖z − z₀‖
+    with ‖z − z₀‖ ≤ √(h·w·Σ_c (½/σ_c)²) over the box."""
+    if not is_stem(embed):
+        spread = sigmas["embed"] * _largest_patch(network, backbone, dtype)
+        return sigmas["embed"], _token_size(backbone, spread, _size_vector(embed.bias, embed.weight.shape[0],
+                                                                           differentiable, spread), differentiable,
+                                            lambda t: t.norm(dim=-1))
+    stem_bound = sigmas["stem"] if "stem" in sigmas else embed.lipschitz(torch.float64).to(dtype)
+    mean, std = network.mean.to(dtype), network.std.to(dtype)
+    height, width = embed.img_size
+    centre = ((0.5 - mean) / std).expand(1, -1, height, width)
+    half_width = (0.25 / std.flatten().pow(2)).sum().mul(height * width).sqrt()
+    centre_tokens = embed.tokens_in(centre, dtype, differentiable)[0]  # (N, D)
+    return stem_bound, _token_size(backbone, stem_bound * half_width, centre_tokens, differentiable,
+                                   lambda t: t.norm(dim=-1))
+
+
+def _size_vector(bias: torch.Tensor | None, width: int, differentiable: bool, like: torch.Tensor) -> torch.Tensor:
+    """A bias as a (1, D) row in ``like``'s dtype and on its device (zeros where there is none)."""
+    if bias is None:
+        return like.new_zeros(1, width)
+    return (bias if differentiable else bias.detach()).to(like)[None]
 
 
 def column_sum_bound(tokens: int, width: torch.Tensor) -> torch.Tensor:
@@ -271,6 +307,9 @@ def paper_bound(network: nn.Module) -> float:
     """Newhouse et al.'s composition in RMS→RMS norms over per-token RMS sizes, embedded tokens →
     logits (module docstring). Comparable with the paper's figures; it certifies nothing in pixels."""
     backbone, embed, blocks = _parts(network)
+    if is_stem(embed):
+        raise NotALipschitzTransformer("the paper's bound starts from a linear patch embedding, not a convolutional "
+                                       "stem")
     if any(isinstance(wrapper.block.attn, (L2MultiHeadAttention, TokenMixing)) for wrapper in blocks):
         raise NotALipschitzTransformer("the paper's bound is for its dot-product attention, not L2 attention or token "
                                        "mixing")
@@ -282,7 +321,8 @@ def paper_bound(network: nn.Module) -> float:
     d_patch = embed.weight.reshape(embed.weight.shape[0], -1).shape[1]
     patch_rms = _largest_patch(network, backbone) / math.sqrt(d_patch)
     width = embed.weight.shape[0]
-    r = _token_size(backbone, rms(embed.weight), embed, patch_rms, False,
+    r = _token_size(backbone, rms(embed.weight) * patch_rms,
+                    _size_vector(embed.bias, width, False, patch_rms), False,
                     lambda t: t.norm(dim=-1) / math.sqrt(width))  # ‖W_e‖_RMS·RMS(patch) + RMS(pos)
     bound = r.new_ones(())
     for wrapper in blocks:

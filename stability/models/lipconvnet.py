@@ -27,6 +27,30 @@ from ..nn.lipschitz_blocks import NormalizedLinear
 HEADS = ("linear", "lln", "aol")
 
 
+def aol_conv_stack(in_chans: int, img_size: int, convs: Sequence[Sequence[int]],
+                   who: str) -> tuple[list[nn.Module], int, int]:
+    """AOL convolutions ``[(channels, kernel, stride), …]``, each followed by MaxMin over channels: (the layers, the
+    output channels, the output side). Stride 1 needs an odd kernel (zero padding keeps the size), stride 2 an even
+    one (:class:`~stability.nn.aol.StridedAOLConv`: the size halves, rounding up). ``who`` names the caller in
+    errors."""
+    layers: list[nn.Module] = []
+    channels, size = in_chans, img_size
+    for spec in convs:
+        out, kernel, stride = (int(v) for v in spec)
+        if stride == 1:
+            layers.append(AOLConv2d(channels, out, kernel))
+        elif stride == 2:
+            layers.append(StridedAOLConv(channels, out, kernel))
+            size = (size + 1) // 2
+        else:
+            raise ValueError(f"{who}: conv stride must be 1 or 2, got {stride} in {list(spec)}")
+        if out % 2:
+            raise ValueError(f"{who}: MaxMin needs an even number of channels, got {out}")
+        layers.append(ChannelMaxMin())
+        channels = out
+    return layers, channels, size
+
+
 class LipConvNet(nn.Module):
     """Convolutions (channels, kernel, stride) with MaxMin, flatten, dense layers with MaxMin, a head.
 
@@ -44,21 +68,7 @@ class LipConvNet(nn.Module):
         super().__init__()
         if head not in HEADS:
             raise ValueError(f"lipcnn: head must be one of {list(HEADS)}, got {head!r}")
-        layers: list[nn.Module] = []
-        channels, size = in_chans, img_size
-        for spec in convs:
-            out, kernel, stride = (int(v) for v in spec)
-            if stride == 1:
-                layers.append(AOLConv2d(channels, out, kernel))
-            elif stride == 2:
-                layers.append(StridedAOLConv(channels, out, kernel))
-                size = (size + 1) // 2
-            else:
-                raise ValueError(f"lipcnn: conv stride must be 1 or 2, got {stride} in {list(spec)}")
-            if out % 2:
-                raise ValueError(f"lipcnn: MaxMin needs an even number of channels, got {out}")
-            layers.append(ChannelMaxMin())
-            channels = out
+        layers, channels, size = aol_conv_stack(in_chans, img_size, convs, "lipcnn")
         self.features = nn.Sequential(*layers)
         width = channels * size * size
         hidden: list[nn.Module] = []

@@ -2,7 +2,9 @@
 
 ``micro`` presets are sized for CPU runs on small images (the default, digits); ``tiny`` and
 ``small`` follow the papers (ViT-Ti/S, Swin-T/S, CSWin-T/S). ``lipcnn`` is not a transformer: the 1-Lipschitz
-convolutional anchor of the certified-training studies (``4c3f``: GloRo's network). Any preset value can be
+convolutional anchor of the certified-training studies (``4c3f``: GloRo's network); ``hybrid`` is a ViT on the
+tokens of that anchor's AOL convolutions (``4c49``: its four convolutions, 49 tokens on MNIST; ``5c16``: one more,
+16 tokens). Any preset value can be
 overridden, e.g. ``build_backbone("swin", "micro", img_size=32, window_size=4)``.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from .cswin import CSWinTransformer
+from .hybrid import build_hybrid
 from .lipconvnet import LipConvNet
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -31,6 +34,13 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "lipcnn": {  # the convolutional anchor (not a transformer): 1-Lipschitz AOL layers, MaxMin, GloRo's shapes
         "micro": dict(convs=((8, 3, 1), (8, 4, 2)), dense=(32,)),
         "4c3f": dict(convs=((32, 3, 1), (32, 4, 2), (64, 3, 1), (64, 4, 2)), dense=(512, 512)),
+    },
+    "hybrid": {  # a ViT on the tokens of the anchor's AOL convolutions (the stem sets the tokens: side/2^strides)
+        "micro": dict(convs=((8, 3, 1), (8, 4, 2)), embed_dim=16, depth=2, num_heads=1, mlp_ratio=2.0),
+        "4c49": dict(convs=((32, 3, 1), (32, 4, 2), (64, 3, 1), (64, 4, 2)), embed_dim=64, depth=4, num_heads=1,
+                     mlp_ratio=2.0),  # 4C3F's convolutions: 7 × 7 = 49 tokens on MNIST
+        "5c16": dict(convs=((32, 3, 1), (32, 4, 2), (64, 3, 1), (64, 4, 2), (64, 4, 2)), embed_dim=64, depth=4,
+                     num_heads=1, mlp_ratio=2.0),  # one more stride-2 convolution: 4 × 4 = 16 tokens on MNIST
     },
     "cswin": {
         "micro": dict(patch_size=2, embed_dim=32, depths=(1, 2, 1), num_heads=(2, 4, 8),
@@ -67,11 +77,16 @@ def _cswin(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn
     return CSWinTransformer(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
 
 
+def _hybrid(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.Module:
+    return build_hybrid(img_size, in_chans, num_classes, **options)
+
+
 def _lipcnn(img_size: int, in_chans: int, num_classes: int, **options: Any) -> nn.Module:
     return LipConvNet(img_size=img_size, in_chans=in_chans, num_classes=num_classes, **options)
 
 
-BUILDERS: dict[str, Callable[..., nn.Module]] = {"vit": _vit, "swin": _swin, "cswin": _cswin, "lipcnn": _lipcnn}
+BUILDERS: dict[str, Callable[..., nn.Module]] = {"vit": _vit, "swin": _swin, "cswin": _cswin, "lipcnn": _lipcnn,
+                                           "hybrid": _hybrid}
 TRANSFORMERS = ("vit", "swin", "cswin")  # the backbones stabilizers that change attention or blocks act on
 
 

@@ -27,7 +27,7 @@ class CertifiedLoss(Stabilizer):
 
     prepare_order = 3  # after the architecture and the constraints: the bound of the final network
     needs = ("lipschitz_transformer",)  # on ViT; the convolutional anchor (lipcnn) certifies on its own
-    backbones = ("vit", "lipcnn")  # where certified bounds are implemented
+    backbones = ("vit", "lipcnn", "hybrid")  # where certified bounds are implemented
 
     def __init__(self, eps: float, overshoot: float, ramp: str, ramp_start: float, ramp_end: float, ramp_from: float,
                  temperature: float, iterations: int, bound_gradient: bool) -> None:

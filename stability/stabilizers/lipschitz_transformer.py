@@ -103,6 +103,7 @@ class LipschitzTransformer(Stabilizer):
     source = "Newhouse et al. 2025"
     prepare_order = 0
     wants_constrained_network = True
+    backbones = ("vit", "swin", "cswin", "hybrid")  # the hybrid: its blocks (the AOL stem is 1-Lipschitz already)
 
     def __init__(self, attention_scale: float = 1.0, residual_scale: float = 1.0, biases: bool = False,
                  orthogonal_init: bool = True, zero_init: bool = True, token_rms: float = 1.0,

@@ -175,6 +175,7 @@ class MuonConstrained(Stabilizer):
                "hammer, spectral weight decay, hard / soft cap) after every step")
     source = "Newhouse et al. 2025"
     prepare_order = 2  # after the stabilizers that change the architecture: constrain the final matrices
+    backbones = ("vit", "swin", "cswin", "hybrid")  # the hybrid: its blocks (the AOL stem is 1-Lipschitz already)
 
     def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  weight_decay: float = 0.0,

@@ -11,4 +11,4 @@ class NoStabilizer(Stabilizer):
     name = "none"
     summary = "the plain backbone and optimizer"
     source = ""
-    backbones = ("vit", "swin", "cswin", "lipcnn")
+    backbones = ("vit", "swin", "cswin", "lipcnn", "hybrid")

@@ -40,7 +40,7 @@ class TauCrossEntropy(Stabilizer):
     summary = ("task loss CE(τ·(z − m·e_y), y)/τ: a temperature (and a margin offset) for the small logits of a "
                "Lipschitz network")
     source = "Béthune et al. 2022; Prach & Lampert 2022"
-    backbones = ("vit", "swin", "cswin", "lipcnn")  # it reads only the logits
+    backbones = ("vit", "swin", "cswin", "lipcnn", "hybrid")  # it reads only the logits
 
     def __init__(self, temperature: float = 8.0, offset: float = 0.0) -> None:
         if temperature <= 0 or offset < 0:

@@ -31,7 +31,7 @@ class ZLoss(Stabilizer):
     name = "z_loss"
     summary = "λ·log²Z of the output logits (λ = 1e-4), so the softmax normaliser stays near 1"
     source = "Chowdhery et al. 2022 (PaLM); Wortsman et al. 2023"
-    backbones = ("vit", "swin", "cswin", "lipcnn")  # it reads only the logits
+    backbones = ("vit", "swin", "cswin", "lipcnn", "hybrid")  # it reads only the logits
 
     def __init__(self, lam: float = 1e-4) -> None:
         if lam <= 0:
