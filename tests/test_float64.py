@@ -18,7 +18,7 @@ from stability.stabilizers import REGISTRY
 BACKBONES = {"vit": (8, dict(embed_dim=16, depth=2, num_heads=2)),
              "swin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2))),
              "cswin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2))),
-             "lipcnn": (8, {})}
+             "lipcnn": (8, {}), "hybrid": (8, {})}
 EVERY = [",".join([*REGISTRY[name].needs, name]) for name in REGISTRY]
 CASES = [(s, b) for s in EVERY for b in BACKBONES if all(b in REGISTRY[n].backbones for n in s.split(","))]
 # the convolutional anchor certifies on its own: the losses that need a bound beside them run alone there

@@ -49,13 +49,14 @@ from stability.testing import parity
 BACKBONES = {"vit": (8, dict(embed_dim=32, depth=2, num_heads=2)),
              "swin": (16, dict(embed_dim=32, depths=(1, 1), num_heads=(2, 2))),
              "cswin": (16, dict(embed_dim=32, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2))),
-             "lipcnn": (8, {})}
+             "lipcnn": (8, {}), "hybrid": (8, {})}
 EVERY = [",".join([*REGISTRY[name].needs, name]) for name in REGISTRY]
 CASES = [(s, b) for s in EVERY for b in BACKBONES if all(b in REGISTRY[n].backbones for n in s.split(","))]
 # the convolutional anchor certifies on its own: the losses that need a bound beside them run alone there
 CASES += [(name, "lipcnn") for name, cls in REGISTRY.items() if cls.needs and "lipcnn" in cls.backbones]
-# the per-step sync checks: every stabilizer on the ViT, and the anchor alone and with each loss it trains with
-STEP_CASES = [(s, "vit") for s in EVERY] + [c for c in CASES if c[1] == "lipcnn"]
+# the per-step sync checks: every stabilizer on the ViT, the anchor alone and with each loss it trains with, and the
+# hybrid with each stabilizer that applies to it
+STEP_CASES = [(s, "vit") for s in EVERY] + [c for c in CASES if c[1] in ("lipcnn", "hybrid")]
 
 
 def build(stabilizer: str, backbone: str, options: dict | None = None) -> ImageClassifier:
@@ -77,14 +78,15 @@ def at_a_generic_point(module: ImageClassifier) -> ImageClassifier:
     between equal logits, a certified radius, is rounding noise; with zero W_O the class token never hears the image,
     the input gradient is rounding noise and so is the direction PGD steps in — and every matrix moved by 1% at random
     — an orthogonal matrix has all its singular values equal, so the gradient of σ₁ (the Lipschitz-margin loss
-    differentiates it) is any direction of that subspace, and rounding picks one."""
+    differentiates it) is any direction of that subspace, and rounding picks one; and an isometric AOL kernel's Gram
+    PᵀP has off-diagonal entries at rounding level, whose |·| (AOL's row sums) has a gradient of rounding's sign."""
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in module.network.parameters():
-            if p.ndim != 2:
+            if p.ndim not in (2, 4):  # matrices and convolution kernels
                 continue
             if not p.abs().max() > 0:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
             p.add_(torch.randn(p.shape, generator=gen) * 0.01 * float(p.abs().max()))
     return module
 
@@ -112,7 +114,7 @@ def test_nothing_is_made_off_the_models_device(stabilizer, backbone):
         measure_everything(module, images, labels)
 
 
-@pytest.mark.parametrize("backbone", [b for b in BACKBONES if b != "lipcnn"])
+@pytest.mark.parametrize("backbone", [b for b in BACKBONES if b not in ("lipcnn", "hybrid")])
 def test_the_gpu_configurations_have_heads_the_flex_kernel_compiles(backbone):
     """What the GPU tests build must run there: every attention head at least 16 wide (Inductor's FlexAttention
     refuses narrower q, k, v; the CPU never shows it)."""

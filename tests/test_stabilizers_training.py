@@ -17,7 +17,7 @@ from stability.stabilizers.muon import constrained_matrices
 BACKBONES = {"vit": (8, dict(embed_dim=16, depth=2, num_heads=2)),
              "swin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2))),
              "cswin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 4), stripe_widths=(2, 2))),
-             "lipcnn": (8, {})}
+             "lipcnn": (8, {}), "hybrid": (8, {})}
 # the convolutional anchor certifies on its own: the losses need no lipschitz_transformer beside them there
 ON_THE_ANCHOR = [name for name, cls in REGISTRY.items() if "lipcnn" in cls.backbones]
 COMPOSITIONS = ["lipsformer,jasmin", "lipschitz_transformer,muon", "lipschitz_transformer,muon,lipschitz_margin"]
@@ -66,7 +66,7 @@ def early_late(losses, window=6):
     return sum(losses[:window]) / window, sum(losses[-window:]) / window
 
 
-@pytest.mark.parametrize("backbone", ["vit", "swin", "cswin"])
+@pytest.mark.parametrize("backbone", ["vit", "swin", "cswin", "hybrid"])
 @pytest.mark.parametrize("stabilizer", ALL)
 def test_every_stabilizer_trains_on_every_backbone(stabilizer, backbone):
     if not applies(stabilizer, backbone):

@@ -77,7 +77,7 @@ class TrainingBound:
         weights = [matrices[name] for name in self._names]
         sigmas: dict[str, torch.Tensor] = {}
         if is_stem(network.backbone.patch_embed):  # the hybrid's AOL stem: 1 per layer by construction
-            sigmas["stem"] = torch.ones((), dtype=torch.float32, device=network.mean.device)
+            sigmas["stem"] = at_least_float32(network.mean.new_ones(()))  # float64 for a float64 network
         for group in self._power.step(weights, self.iterations):
             stacked = torch.stack([weights[i] for i in group.indices]).to(group.weight.dtype)  # with the graph
             values = torch.einsum("gm,gmn,gn->g", group.u, stacked, group.v)
