@@ -1,6 +1,6 @@
 """One command that proves the suite on a GPU.
 
-    python benchmarks/gpu_check.py --quick                # ≤ 6 min on one H100: run this first
+    python benchmarks/gpu_check.py --quick                # budgets of 525 s in all: run this first
     python benchmarks/gpu_check.py                        # every section, in full
     python benchmarks/gpu_check.py --sections runs,compare   # some of them (the others keep their last results)
 
@@ -22,12 +22,14 @@ Sections:
 * ``ddp`` (two GPUs or more): ``stability test`` of one checkpoint on one process and on two.
 
 ``--quick`` runs each section small, inside a time budget of its own (``QUICK_BUDGET_S``, 525 s in all: each
-section's own time and FlexAttention's compilation where softcap trains; how they were set:
-results/benchmarks/README.md): the ``gpu``
-tests but the GPU–CPU comparison, which ``compare`` runs on every ViT case instead; one 1-epoch bf16-mixed fit of every
-stabilizer and composition on ViT, FGSM / PGD on every fit and the official AutoAttack on three; the step-cost rows
-of ViT-S at 256 tokens, batch 256, bf16. A section that runs out of its budget stops and says how far it got: "cut
-at its budget", which is not a failure of the suite (exit status 3 when nothing failed), as opposed to FAILED (1).
+section's own time and FlexAttention's compilation where softcap trains; set from the H200 run of 2026-11-27,
+README "On a GPU"): the ``gpu`` tests but the GPU–CPU comparison, which ``compare`` runs on every ViT case instead, on 8
+images; one 1-epoch bf16-mixed fit of every stabilizer and composition on ViT, with measurements sized to prove the GPU
+path rather than to measure (one ℓ∞ and one ℓ2 budget, few points, the official AutoAttack on 4 points of two fits);
+the step-cost rows of ViT-S at 256 tokens, batch 256, bf16. Fits and cases are reported as each ends, a fit with the
+seconds of each of its phases (read from its log: the monitors write a line as a measurement starts and as it ends).
+A section that runs out of its budget stops and says how far it got: "cut at its budget" (a fit names the phase it was
+in), which is not a failure of the suite (exit status 3 when nothing failed), as opposed to FAILED (1).
 
 Results go to ``results/benchmarks/gpu_check_<device>.md`` (and ``.json``, which keeps each section's last
 result so that sections can run in separate calls), with the device, the commands and the times; both are rewritten
@@ -45,8 +47,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -58,12 +61,12 @@ BACKBONES = ("vit", "swin", "cswin")  # each at its micro preset, on 16 × 16 di
 DEVICE = "cuda"  # "cpu" for --cpu_dry_run
 SELECTED: set[tuple[str, str]] | None = None  # --cases
 SIZES = {"epochs": 2, "attack_points": 256, "autoattack_points": 32}  # of the runs (options of the same names)
-QUICK_SIZES = {"epochs": 1, "attack_points": 128, "autoattack_points": 16}
-QUICK_AUTOATTACK = {"none", "lipsformer", "lipschitz_transformer,muon"}  # the quick runs that also run AutoAttack
+QUICK_SIZES = {"epochs": 1, "attack_points": 64, "autoattack_points": 4}
+QUICK_AUTOATTACK = {"none", "lipschitz_transformer,muon"}  # the quick runs that also run the official AutoAttack
 # --quick: each section's own time (results/benchmarks/README.md), plus the compilation of FlexAttention where the
 # section trains softcap on CUDA (its fused path compiles a forward and a backward kernel per shape: tens of seconds
 # that are the compiler's, not the suite's)
-QUICK_RUN_S = {"tests": 120, "runs": 150, "compare": 30, "benchmarks": 45}
+QUICK_RUN_S = {"tests": 120, "runs": 90, "compare": 90, "benchmarks": 45}
 FLEX_COMPILE_S = {"tests": 60, "runs": 60, "benchmarks": 60}
 QUICK_BUDGET_S = {s: t + FLEX_COMPILE_S.get(s, 0) for s, t in QUICK_RUN_S.items()}  # 525 s in all
 QUICK = False
@@ -218,23 +221,96 @@ def run_gpu_tests(deadline: float | None) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------- runs
+# --quick: measurements sized to prove the GPU path (each code path once, on few points), not to measure robustness
+QUICK_MEASUREMENTS = ["--lipschitz.num_points", "16", "--lipschitz.test_num_points", "32",
+                      "--lipschitz.attention_points", "4", "--lipschitz.pair_points", "8",
+                      "--robustness.num_points", "64", "--robustness.eps", "[0.00784313725490196]",
+                      "--robustness.l2_eps", "[0.5]"]  # one budget each: ℓ∞ 2/255, ℓ2 0.5
+
+
 def fit_command(stabilizer: str, backbone: str, run_dir: Path) -> list[str]:
     accelerator = "gpu" if DEVICE == "cuda" else "cpu"
     attacks = "[fgsm, pgd, autoattack]" if not QUICK or stabilizer in QUICK_AUTOATTACK else "[fgsm, pgd]"
-    return [sys.executable, "-m", "stability", "fit", "--stabilizer", stabilizer, "--model.backbone", backbone,
-            "--data.image_size", "16", "--trainer.max_epochs", str(SIZES["epochs"]),
-            "--trainer.precision", "bf16-mixed", "--trainer.accelerator", accelerator, "--trainer.devices", "1",
-            "--trainer.enable_progress_bar", "false",
-            "--run_dir", str(run_dir), "--test_after_fit", "true",
-            "--robustness.test_attacks", attacks,
-            "--robustness.attack_num_points", str(SIZES["attack_points"]),
-            "--robustness.autoattack_num_points", str(SIZES["autoattack_points"]), "--lipschitz.test_num_points", "128",
-            "--lipschitz.attention_points", "8"]
+    command = [sys.executable, "-m", "stability", "fit", "--stabilizer", stabilizer, "--model.backbone", backbone,
+               "--data.image_size", "16", "--trainer.max_epochs", str(SIZES["epochs"]),
+               "--trainer.precision", "bf16-mixed", "--trainer.accelerator", accelerator, "--trainer.devices", "1",
+               "--trainer.enable_progress_bar", "false", "--timing.enabled", "true",
+               "--run_dir", str(run_dir), "--test_after_fit", "true",
+               "--robustness.test_attacks", attacks,
+               "--robustness.attack_num_points", str(SIZES["attack_points"]),
+               "--robustness.autoattack_num_points", str(SIZES["autoattack_points"])]
+    return command + (QUICK_MEASUREMENTS if QUICK else ["--lipschitz.test_num_points", "128",
+                                                        "--lipschitz.attention_points", "8"])
+
+
+MEASUREMENT_START = re.compile(r"^(\w[\w ]*) \((fit|test)\): (.+) on \d+ points …$")
+MEASUREMENT_END = re.compile(r"^(\w[\w ]*) \((fit|test)\): (.+) on \d+ points in ")
+FIT_END = "`Trainer.fit` stopped"
+TRAINING = "start-up, training and validation"
+
+
+class Phases:
+    """The phases of one fit, read from its log as it runs: start-up with training and validation, then each
+    measurement (from the line a monitor writes as it starts one to the line it writes as it ends it), the test's
+    own forward passes between them. ``seconds`` sums each phase's time; ``current`` is what runs now."""
+
+    def __init__(self) -> None:
+        self.current, self.since = TRAINING, time.time()
+        self.seconds: dict[str, float] = {}
+        self.fit_done = False
+
+    def enter(self, phase: str) -> None:
+        now = time.time()
+        self.seconds[self.current] = round(self.seconds.get(self.current, 0.0) + now - self.since, 1)
+        self.current, self.since = phase, now
+
+    def read(self, line: str) -> None:
+        line = line.strip()
+        if match := MEASUREMENT_START.match(line):
+            self.enter(f"{match[1]} ({match[2]}): {match[3]}")
+        elif MEASUREMENT_END.match(line):
+            self.enter("test: evaluation between measurements" if self.fit_done else TRAINING)
+        elif line.startswith(FIT_END):
+            self.fit_done = True
+            self.enter("test: evaluation between measurements")
+
+    def close(self) -> dict[str, float]:
+        self.enter("")
+        return {phase: seconds for phase, seconds in self.seconds.items() if phase}
+
+
+def run_fit(command: list[str], timeout: float | None) -> tuple[int | None, str, Phases]:
+    """Run one fit, reading its log as it comes: (exit status or None when cut at ``timeout``, the log's last lines,
+    its phases)."""
+    phases = Phases()
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               bufsize=1)
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        process.kill()
+
+    timer = None if timeout is None else threading.Timer(timeout, kill)
+    if timer is not None:
+        timer.start()
+    tail: list[str] = []
+    try:
+        for line in process.stdout:
+            phases.read(line)
+            tail = (tail + [line.rstrip()])[-40:]
+        process.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return (None if killed.is_set() else process.returncode), "\n".join(tail), phases
 
 
 def run_fits(workers: int, deadline: float | None) -> dict:
+    """Every case's fit, ``workers`` at a time; each row goes into the report the moment its fit ends (the
+    fits that run longest are started first), with its phases' times; a fit cut at the budget names its phase."""
     root = ROOT / "runs" / "gpu_check"
-    todo = sorted(cases(), key=lambda case: case[0] not in QUICK_AUTOATTACK)  # the longest fits start first
+    todo = sorted(cases(), key=lambda case: case[0] not in QUICK_AUTOATTACK)
     rows: list[dict] = []
 
     def one(case):
@@ -245,28 +321,30 @@ def run_fits(workers: int, deadline: float | None) -> dict:
         left = remaining(deadline)
         if left is not None and left < 1:
             return {"stabilizers": stabilizer, "backbone": backbone, "seconds": 0.0, "exit": None, "passed": None,
-                    "problems": ["not started: the section's budget was spent"]}
-        try:
-            done = subprocess.run(fit_command(stabilizer, backbone, run_dir), cwd=ROOT, capture_output=True, text=True,
-                                  timeout=left)
-        except subprocess.TimeoutExpired:
-            return {"stabilizers": stabilizer, "backbone": backbone, "seconds": round(time.time() - started, 1),
-                    "exit": None, "passed": None, "problems": ["cut at the section's budget"]}
-        return check_run(stabilizer, backbone, run_dir, done, time.time() - started)
+                    "phases": {}, "problems": ["not started: the section's budget was spent"]}
+        exit_code, tail, phases = run_fit(fit_command(stabilizer, backbone, run_dir), left)
+        seconds = time.time() - started
+        if exit_code is None:
+            current = phases.current
+            return {"stabilizers": stabilizer, "backbone": backbone, "seconds": round(seconds, 1), "exit": None,
+                    "passed": None, "phases": phases.close(),
+                    "problems": [f"cut at the section's budget during {current}"]}
+        return check_run(stabilizer, backbone, run_dir, exit_code, tail, seconds, phases.close())
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for row in pool.map(one, todo):  # in order: each finished fit goes into the report at once
-            rows.append(row)
+        for future in as_completed([pool.submit(one, case) for case in todo]):  # each fit reported as it ends
+            rows.append(future.result())
             progress("runs", rows=rows)
     return {**summarise(rows), "fit": " ".join(fit_command("<stabilizers>", "<backbone>", Path("<dir>"))[1:])}
 
 
-def check_run(stabilizer: str, backbone: str, run_dir: Path, done: subprocess.CompletedProcess,
-              seconds: float) -> dict:
-    row = {"stabilizers": stabilizer, "backbone": backbone, "seconds": round(seconds, 1), "exit": done.returncode}
+def check_run(stabilizer: str, backbone: str, run_dir: Path, exit_code: int, log_tail: str, seconds: float,
+              phases: dict[str, float]) -> dict:
+    row = {"stabilizers": stabilizer, "backbone": backbone, "seconds": round(seconds, 1), "exit": exit_code,
+           "phases": phases}
     problems = []
-    if done.returncode != 0:
-        problems.append(f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ''}")
+    if exit_code != 0:
+        problems.append(f"exit {exit_code}: {log_tail.strip().splitlines()[-1:] or ''}")
     losses = training_losses(run_dir)
     if not losses or not all(math.isfinite(v) for v in losses):
         problems.append(f"training loss not finite or missing ({losses[-3:]})")
@@ -313,6 +391,7 @@ def training_losses(run_dir: Path) -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------------- compare
+COMPARE_POINTS, COMPARE_POINTS_QUICK = 32, 8  # images per case (the CPU reference dominates the case's time)
 def compare_with_cpu(deadline: float | None) -> dict:
     """stability/testing/parity.py on every case: the reference on the CPU against a copy on the device, float32, TF32
     off."""
@@ -329,14 +408,17 @@ def compare_with_cpu(deadline: float | None) -> dict:
         torch.manual_seed(0)
         cpu = without_dropout(ImageClassifier(backbone=backbone, image_size=16, stabilizer=stabilizer).train())
         gen = torch.Generator().manual_seed(1)
-        images, labels = torch.rand(32, 1, 16, 16, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        points = COMPARE_POINTS_QUICK if QUICK else COMPARE_POINTS
+        images, labels = torch.rand(points, 1, 16, 16, generator=gen), torch.randint(0, 10, (points,), generator=gen)
+        started = time.time()
         differences, other = parity.compare_training_step(cpu, images, labels, DEVICE)
         differences += parity.compare_measurements(parity.measurements(cpu, images, labels),
                                                    parity.measurements(other, images.to(DEVICE), labels.to(DEVICE)))
         bad = parity.failures(differences)
         worst = max(differences, key=lambda d: d.difference / max(d.tolerance, 1e-300))
         rows.append({"stabilizers": stabilizer, "backbone": backbone, "passed": not bad, "keys": len(differences),
-                     "worst": str(worst), "failures": [str(d) for d in bad[:10]]})
+                     "worst": str(worst), "failures": [str(d) for d in bad[:10]],
+                     "seconds": round(time.time() - started, 1)})
         progress("compare", rows=rows)
     return summarise(rows)
 
@@ -349,7 +431,7 @@ def benchmark_commands(name: str) -> list[list[str]]:
     quick = ["--quick"] if DEVICE == "cpu" else []
     if QUICK:
         return [["benchmarks/step_cost.py", "--device", DEVICE, "--backbones", "vit:small", "--tokens", "256",
-                 "--precision", "bf16", "--repeats", "5", *quick, "--out", f"{folder}/step_cost_{name}_quick.md"]]
+                 "--precision", "bf16", "--repeats", "3", *quick, "--out", f"{folder}/step_cost_{name}_quick.md"]]
     return [
         ["benchmarks/step_cost.py", "--device", DEVICE, "--backbones", "vit:small,swin:tiny,cswin:tiny",
          "--tokens", "64,256", "--precision", "fp32,bf16", "--repeats", "5", *quick,
@@ -421,9 +503,12 @@ def render(state: dict, device: str, gpus: int) -> str:
                 lines += ["```", *s["errors"], "```", ""]
         elif section == "runs" and "rows" in s:
             lines += [f"Each run: `{s.get('fit', '')}`", "",
-                      "| stabilizers | backbone | exit | s | clean | worst robust | best certified | verdict |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "Rows in the order the fits ended; phases: seconds of start-up with training and validation, and "
+                      "of each measurement (a cut fit names the phase it was in).", "",
+                      "| stabilizers | backbone | exit | s | phases (s) | clean | worst robust | best certified | "
+                      "verdict |", "|---|---|---|---|---|---|---|---|---|"]
             lines += [f"| {r['stabilizers']} | {r['backbone']} | {r['exit']} | {r['seconds']:.0f} | "
+                      f"{phase_summary(r.get('phases') or {})} | "
                       f"{fmt(r.get('clean'))} | {fmt(r.get('worst robust'))} | {fmt(r.get('certified'))} | "
                       f"{'ok' if r['passed'] else '; '.join(r['problems'])} |" for r in s["rows"]]
             lines.append("")
@@ -431,10 +516,11 @@ def render(state: dict, device: str, gpus: int) -> str:
             lines += ["Float32, TF32 off, compared as `stability/testing/parity.py` defines (loss terms, gradients, "
                       "the weights after one step from the same gradients, measurements, attacks). Worst key: the one "
                       "closest to "
-                      "its tolerance.", "", "| stabilizers | backbone | keys | worst key | verdict |",
-                      "|---|---|---|---|---|"]
+                      "its tolerance.", "", "| stabilizers | backbone | s | keys | worst key | verdict |",
+                      "|---|---|---|---|---|---|"]
             for r in s["rows"]:
-                lines.append(f"| {r['stabilizers']} | {r['backbone']} | {r['keys']} | {r['worst']} | "
+                lines.append(f"| {r['stabilizers']} | {r['backbone']} | {fmt_seconds(r.get('seconds'))} | "
+                             f"{r['keys']} | {r['worst']} | "
                              f"{'ok' if r['passed'] else '<br>'.join(r.get('failures') or [r['worst']])} |")
             lines.append("")
         elif section == "benchmarks" and "rows" in s:
@@ -445,6 +531,14 @@ def render(state: dict, device: str, gpus: int) -> str:
         elif section == "ddp" and ("one" in s or "skipped" in s):
             lines += [s.get("skipped") or f"one process: {s['one']}; two: {s['two']}", ""]
     return "\n".join(lines) + "\n"
+
+
+def phase_summary(phases: dict[str, float]) -> str:
+    return "<br>".join(f"{name} {seconds:.0f}" for name, seconds in phases.items()) or "—"
+
+
+def fmt_seconds(value) -> str:
+    return "—" if value is None else f"{value:.0f}"
 
 
 def fmt(value) -> str:

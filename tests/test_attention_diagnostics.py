@@ -6,7 +6,7 @@ from torch.func import jacrev
 from stability.classifier import ImageClassifier
 from stability.lipschitz.attention import attention_diagnostics, head_statistics, point_statistics, pool
 from stability.models import attention_sites
-from stability.nn.softmax_bounds import g_k, softmax_jacobian
+from stability.nn.softmax_bounds import g_k, softmax_jacobian, softmax_jacobian_norm
 
 
 def test_g1_bounds_the_sampled_exact_norms_row_by_row():
@@ -18,6 +18,18 @@ def test_g1_bounds_the_sampled_exact_norms_row_by_row():
     torch.testing.assert_close(stats["softmax_jac_max"], exact.amax(-1).float())
     assert stats["g1_mean"].shape == (3, 2) and stats["g1_rows"].shape == (3, 2, 6)
     assert (stats["g1_sample_max"] >= stats["softmax_jac_max"] - 1e-6).all()
+
+
+def test_the_eigenvalue_norm_equals_the_svd_norm_and_a_wrong_one_is_caught():
+    """The diagnostics take ‖diag(p) − ppᵀ‖₂ as the largest eigenvalue (the matrix is PSD): equal to the SVD's to
+    1e-12 relative on peaked and flat rows; the smallest eigenvalue in its place (a planted error) is far off."""
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.1, 3.0, 30.0):
+        p = torch.softmax(scale * torch.randn(4, 3, 8, 17, generator=gen, dtype=torch.float64), dim=-1)
+        reference = torch.linalg.matrix_norm(softmax_jacobian(p), ord=2)
+        torch.testing.assert_close(softmax_jacobian_norm(p), reference, rtol=1e-12, atol=1e-15)
+        planted = torch.linalg.eigvalsh(softmax_jacobian(p))[..., 0]
+        assert not torch.allclose(planted, reference, rtol=1e-3)
 
 
 def test_windows_of_an_image_pool_into_that_image():

@@ -98,6 +98,25 @@ def test_estimator_accuracy_power_iteration_never_exceeds_the_exact_norm(tmp_pat
     assert len(table_rows(specformer)) >= 2
 
 
+def test_gpu_check_reads_a_fits_phases_from_its_log(monkeypatch):
+    """The runs section times each phase of a fit from the lines the monitors write as a measurement starts and ends,
+    and a fit cut short names the phase it was in."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    clock = iter(range(0, 1000, 5))
+    monkeypatch.setattr(gpu_check.time, "time", lambda: float(next(clock)))
+    phases = gpu_check.Phases()  # t = 0
+    for line in ["Epoch 0: 100%", "lipschitz (fit): local Lipschitz estimates on 16 points …",  # t = 5
+                 "lipschitz (fit): local Lipschitz estimates on 16 points in 2 s (8 points/s)",  # t = 10
+                 "`Trainer.fit` stopped: `max_epochs=1` reached.",  # t = 15
+                 "robustness (test): pgd_L2_0.5 on 64 points …"]:  # t = 20
+        phases.read(line)
+    assert phases.current == "robustness (test): pgd_L2_0.5"
+    assert phases.close() == {gpu_check.TRAINING: 10.0, "lipschitz (fit): local Lipschitz estimates": 5.0,
+                              "test: evaluation between measurements": 5.0, "robustness (test): pgd_L2_0.5": 5.0}
+
+
 def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     """The script's own logic (a fit and its checks, the GPU-vs-CPU comparison, the report, sections run in separate
     calls and kept), run on the CPU against itself: it proves nothing about a GPU, but a GPU session finds no bug of
@@ -129,8 +148,9 @@ def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     # a budget too small to finish: each section stops and says so — cut, not failed (status 3, not 1)
     check("--quick", "--sections", "runs,compare", "--cases", "none:vit", "--budget_scale", "0.0001", status=3)
     state = __import__("json").loads(out.with_suffix(".json").read_text())
-    assert state["runs"]["rows"][0]["problems"] in (["cut at the section's budget"],
-                                                    ["not started: the section's budget was spent"])
+    problem = state["runs"]["rows"][0]["problems"][0]
+    assert problem.startswith("cut at the section's budget during ") or problem == ("not started: the section's "
+                                                                                     "budget was spent"), problem
     assert state["compare"]["rows"][0]["worst"] == "not run: the section's budget was spent"
     text = out.read_text()
     assert "## runs: cut at its budget" in text and "## compare: cut at its budget" in text and "FAILED" not in text

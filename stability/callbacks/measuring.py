@@ -1,8 +1,8 @@
 """How a long measurement runs (:func:`~stability.callbacks.points.measure_batches` with a :class:`Session`):
 
 * **progress**: one bar per measurement, in the style of Lightning's own (tqdm: points done of the total, rate, ETA),
-  only where the progress bar is on and on the first process; and, bar or not, one log line per measurement when it
-  ends (points, seconds, points/s);
+  only where the progress bar is on and on the first process; without it, a log line as each measurement starts; and,
+  bar or not, one log line per measurement when it ends (points, seconds, points/s);
 * **SIGTERM honoured within seconds**: every forward pass of the measured network checks Lightning's SIGTERM flag
   (and the batches between them), so an attack — the official AutoAttack's hundreds of passes per batch included —
   stops at its next forward: :class:`MeasurementInterrupted`, carrying what was measured so far;
@@ -120,6 +120,12 @@ class Session:
 
         return tqdm(total=total, desc=f"{self.label} {name}", unit="pt", leave=False, dynamic_ncols=True,
                     file=sys.stdout, smoothing=0)
+
+    def starting(self, name: str, points: int) -> None:
+        """A log line as a measurement starts, where no bar shows it (a log read while it runs, or cut short, names
+        what was running)."""
+        if not self.show_bar:
+            rank_zero_info(f"{self.label}: {name} on {points} points …")
 
     def said(self, name: str, points: int, seconds: float, resumed: int = 0) -> None:
         rate = (points - resumed) / seconds if seconds > 0 and points > resumed else float("nan")

@@ -89,6 +89,7 @@ def measure_batches(dataset, count: int, batch_size: int, device: torch.device,
     local: dict[int, Any] = {}
     points = resumed = 0
     bar = session.bar(name, count)
+    session.starting(name, count)
     started = time.perf_counter()
     rank, world = rank_and_world()
     ranges = batch_ranges(count, batch_size)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from ..seeding import epoch_seed, seed_epoch
+from .resident import ResidentBatches
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -30,6 +31,9 @@ class ImageDataModule(L.LightningDataModule):
         mixup_alpha: Beta(α, α) mixing of pairs of images and labels (0: off).
         cutmix_alpha: Beta(α, α) box size for CutMix (0: off). With both on, each batch
             uses one of the two at random.
+        resident: keep a tensor data set (digits, MNIST, CIFAR) on the training device and draw each batch by
+            indexing (:class:`~stability.data.resident.ResidentBatches`: the same batches, no worker, no per-item
+            collate); ``num_workers`` then has no use. Off: a DataLoader.
     """
 
     name = "images"
@@ -42,6 +46,7 @@ class ImageDataModule(L.LightningDataModule):
         horizontal_flip: bool = False,
         mixup_alpha: float = 0.0,
         cutmix_alpha: float = 0.0,
+        resident: bool = True,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -56,14 +61,20 @@ class ImageDataModule(L.LightningDataModule):
         self.horizontal_flip = horizontal_flip
         self.mixup_alpha = mixup_alpha
         self.cutmix_alpha = cutmix_alpha
+        self.resident = resident
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
 
     # ----------------------------------------------------------------- loaders
-    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader | ResidentBatches:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not been run")
+        if self.resident and isinstance(dataset, TensorDataset):
+            trainer = getattr(self, "trainer", None)
+            device = getattr(trainer, "root_device", None) or torch.device("cpu")
+            return ResidentBatches(dataset, self.batch_size, shuffle, device,
+                                   lambda: trainer.current_epoch if trainer is not None else 0)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         sampler = None
         if not shuffle and distributed:

@@ -46,8 +46,9 @@ class _CIFAR(ImageDataModule):
 
     def __init__(self, root: str = "data", download: bool = False, val_fraction: float = 0.1,
                  split_seed: int = 0, batch_size: int = 128, num_workers: int = 0, random_crop: int = 4,
-                 horizontal_flip: bool = True, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0) -> None:
-        super().__init__(batch_size, num_workers, random_crop, horizontal_flip, mixup_alpha, cutmix_alpha)
+                 horizontal_flip: bool = True, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+                 resident: bool = True) -> None:
+        super().__init__(batch_size, num_workers, random_crop, horizontal_flip, mixup_alpha, cutmix_alpha, resident)
         self.root = Path(root)
         self.download = download
         self.val_fraction = val_fraction

@@ -27,8 +27,9 @@ class Digits(ImageDataModule):
 
     def __init__(self, image_size: int = 8, val_fraction: float = 0.15, test_fraction: float = 0.15,
                  split_seed: int = 0, batch_size: int = 64, num_workers: int = 0, random_crop: int = 0,
-                 horizontal_flip: bool = False, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0) -> None:
-        super().__init__(batch_size, num_workers, random_crop, horizontal_flip, mixup_alpha, cutmix_alpha)
+                 horizontal_flip: bool = False, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+                 resident: bool = True) -> None:
+        super().__init__(batch_size, num_workers, random_crop, horizontal_flip, mixup_alpha, cutmix_alpha, resident)
         if image_size < 8:
             raise ValueError(f"digits are 8×8; image_size must be >= 8, got {image_size}")
         self.image_size = image_size

@@ -28,8 +28,8 @@ class _IDXDataModule(ImageDataModule):
     def __init__(self, root: str = "data", download: bool = False, image_size: int = 28,
                  val_fraction: float = 5000 / 60000, split_seed: int = 0, batch_size: int = 128, num_workers: int = 0,
                  random_crop: int = 0, horizontal_flip: bool = False, mixup_alpha: float = 0.0,
-                 cutmix_alpha: float = 0.0) -> None:
-        super().__init__(batch_size, num_workers, random_crop, horizontal_flip, mixup_alpha, cutmix_alpha)
+                 cutmix_alpha: float = 0.0, resident: bool = True) -> None:
+        super().__init__(batch_size, num_workers, random_crop, horizontal_flip, mixup_alpha, cutmix_alpha, resident)
         if image_size < 1:
             raise ValueError(f"image_size must be >= 1, got {image_size}")
         self.root, self.download, self.image_size = Path(root), download, image_size

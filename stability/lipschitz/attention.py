@@ -23,7 +23,7 @@ from torch import nn
 
 from ..models import attention_sites, capture_attention
 from ..nn.precision import accumulation_dtype
-from ..nn.softmax_bounds import g_k, softmax_jacobian
+from ..nn.softmax_bounds import g_k, softmax_jacobian_norm
 
 MEAN_STATISTICS = ("g1_mean", "softmax_jac_mean", "entropy")
 
@@ -63,7 +63,7 @@ def head_statistics(p: torch.Tensor, batch: int, sample_rows: int) -> dict[str, 
     rows = p.reshape(batch, -1, heads, n, n).transpose(1, 2).reshape(batch, heads, -1, n)  # (B, H, W·N, N)
     g1 = g_k(rows, 1)  # (B, H, W·N)
     sample = rows[:, :, :sample_rows]
-    exact = torch.linalg.matrix_norm(softmax_jacobian(sample.double()), ord=2).to(accumulation_dtype(p.dtype))
+    exact = softmax_jacobian_norm(sample.double()).to(accumulation_dtype(p.dtype))
     entropy = -(rows * rows.clamp_min(1e-12).log()).sum(-1)
     return {"g1_mean": g1.mean(-1), "g1_max": g1.amax(-1), "softmax_jac_mean": exact.mean(-1),
             "softmax_jac_max": exact.amax(-1), "g1_sample_max": g1[..., :sample_rows].amax(-1),
