@@ -14,6 +14,7 @@ import yaml
 
 from stability.sweep import Spec, Sweep, load_spec
 from stability.sweep import main as sweep_main
+from stability.sweep.runner import child_environment, usable_cores
 
 
 def cli(**overrides) -> argparse.Namespace:
@@ -164,7 +165,7 @@ def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path, sweep_file, 
     assert diverged["status"] == "diverged" and diverged["diverged_at_step"] >= 0 and "non-finite" in diverged["reason"]
     assert json.loads((root / "stabilizer=none,seed=0" / "done.json").read_text())["status"] == "completed"
     assert "1 completed, 1 diverged" in done.stdout
-    shared = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))  # 2 workers share the cores
+    shared = os.environ.get("OMP_NUM_THREADS", str(max(1, usable_cores() // 2)))  # 2 workers share the cores
     assert json.loads((diverging_run / "sweep_run.json").read_text())["OMP_NUM_THREADS"] == shared
     again = run_sweep(tmp_path, spec)
     assert "[skip] stabilizer=none,model.optimizer=sgd,model.lr=100000.0,seed=0: diverged" in again.stdout
@@ -322,3 +323,14 @@ def test_workers_without_devices_give_each_run_one_visible_gpu(monkeypatch):
     assert shared_gpus(3) == ["3", "5", "3"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert shared_gpus(2) == []  # no GPU: the runs share the CPU cores
+
+
+def test_each_run_gets_its_share_of_the_cores_with_or_without_a_gpu():
+    """K runs on one GPU machine: each its device and 1/K of the cores (they oversubscribed the cores before); a
+    setting the user gave is kept; one run alone keeps torch's default."""
+    cores = usable_cores()
+    on_gpu = child_environment({}, "0", 4)
+    assert on_gpu == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": str(max(1, cores // 4))}
+    assert child_environment({}, None, 2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert child_environment({"OMP_NUM_THREADS": "3"}, "1", 4)["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in child_environment({}, "0", 1)

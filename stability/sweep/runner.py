@@ -44,6 +44,26 @@ def shared_gpus(workers: int) -> list[str]:
     return [gpus[i % len(gpus)] for i in range(workers)] if gpus else []
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def child_environment(env: dict[str, str], device: str | None, workers: int) -> dict[str, str]:
+    """A run's environment: its GPU (``CUDA_VISIBLE_DEVICES``) where it has one, and, when ``workers`` runs share the
+    machine, its share of the CPU cores (``OMP_NUM_THREADS``, unless set already) — on a GPU machine too: each run's
+    host work (the training loop, data, the measurements' CPU parts) would otherwise start a thread per core in every
+    process, K runs oversubscribing the cores K times."""
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    if workers > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // workers)))
+    return env
+
+
 def run_status(run_dir: Path) -> dict[str, Any] | None:
     """The ``done.json`` of a complete run, else None."""
     done = run_dir / "done.json"
@@ -151,12 +171,8 @@ class Sweep:
         resumed = json.loads(record_path.read_text()).get("resumed", []) if record_path.is_file() else []
         if checkpoint is not None:
             resumed.append({"from": str(checkpoint), "at": time.strftime("%Y-%m-%d %H:%M:%S")})
-        env = dict(os.environ)
         device = self._free_devices.get() if self.devices else None
-        if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = device
-        elif self.workers > 1:  # share the CPU cores instead of oversubscribing them
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
+        env = child_environment(dict(os.environ), device, self.workers)
         try:  # from here on, the device goes back whatever fails
             record_path.write_text(json.dumps({
                 "sweep": self.spec.name, "run": run.name, "configuration": run.configuration,
