@@ -1,0 +1,285 @@
+"""A CPU model of a GPU training step: what a step launches, moves and multiplies, counted without a GPU, and the
+time a fitted roofline with a launch term predicts from it.
+
+A GPU is rarely at hand; every change to a hot path still needs a measure that runs here and predicts the GPU. A
+step run on CPU tensors under :class:`KernelCounter` (a ``TorchDispatchMode``: it sees every ATen operator after
+autograd, forward, backward and optimizer) gives, deterministically:
+
+* ``launches`` — the operators that launch a kernel (views, allocations and metadata queries launch none);
+* ``flops`` — the matrix products' FLOPs (``torch.utils.flop_counter``'s formulas: mm, bmm, addmm, convolutions,
+  fused attention), by the precision they run in on a GPU: ``bf16`` (bf16 / fp16 inputs), ``tf32`` (float32 with
+  TF32 matmuls allowed, as training sets it), ``fp32`` (float32 with TF32 off: the suite's exact blocks);
+* ``bytes`` — what the other operators read and write (their tensors' sizes, inputs and outputs).
+
+:func:`cuda_path` makes the CPU take the decisions a GPU takes where they change the count: the fused AdamW kernel,
+JaSMin's streamed row statistics, and a fused attention kernel where softcap uses FlexAttention (counted as one SDPA
+call: the score modification runs inside the kernel). Counts at two batch sizes give each quantity's constant and
+per-image parts exactly, and two depths the per-block parts (every quantity is bilinear in depth and batch): a ViT-S
+step of 12 blocks at batch 256 is counted from steps of 1 and 2 blocks at batch 2 and 4.
+
+:class:`GpuModel` turns counts into seconds — ``launches·t_launch`` (the host's time per launched operator) beside
+``bytes/bandwidth + Σ_p flops_p/throughput_p`` (the device's), added (``additive``) or overlapped (``overlap``: the
+larger of the two) — with constants fitted to measured step times by :func:`fit` (relative error, least squares).
+:func:`leave_one_out` says how well it predicts a row it was not fitted on. What it cannot see: kernel efficiency
+(a bf16 GEMM of one shape runs nearer peak than of another), SVDs and eigensolvers (no FLOP formula: counted as
+launches only), host syncs (a launch here, a stall there), and compilation.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+PRECISIONS = ("bf16", "tf32", "fp32")
+# operators that launch no kernel: allocations, metadata, and the wrapping of Python scalars
+NO_KERNEL = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+             "scalar_tensor", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
+             "_has_compatible_shallow_copy_type", "resize_", "record_stream", "_local_scalar_dense"}
+SYNCS = {"_local_scalar_dense", "item", "nonzero"}  # a value read back to the host (a stall on a GPU)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _bytes(*values: Any) -> int:
+    seen: dict[int, int] = {}
+    for value in values:
+        for t in _tensors(value):
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def matmul_precision(dtype: torch.dtype) -> str:
+    """The precision a matrix product of ``dtype`` inputs runs in on a GPU, under the current float32 setting."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    if dtype == torch.float32:
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "fp64"
+
+
+def _cpu_attention_flops(name: str, args: tuple, kwargs: dict) -> int | None:
+    """FLOPs of the CPU's fused attention, by the formulas torch gives its CUDA twins."""
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        q, k, v = args[:3]
+        return sdpa_flop_count(q.shape, k.shape, v.shape)
+    if name == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        grad, q, k, v = args[:4]
+        return sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+    return None
+
+
+def matrix_flops(func, args: tuple, kwargs: dict, out: Any) -> int | None:
+    """FLOPs of a matrix product (None for any other operator)."""
+    packet = func.overloadpacket
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    return _cpu_attention_flops(packet.__name__, args, kwargs)
+
+
+@dataclass
+class StepCounts:
+    """What a step launches (``launches``), multiplies (``flops`` by precision) and moves (``bytes``, the operators
+    that are not matrix products); ``ops`` counts the launches by operator, ``syncs`` the reads back to the host."""
+
+    launches: float = 0.0
+    flops: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PRECISIONS, 0.0))
+    bytes: float = 0.0
+    syncs: float = 0.0
+    ops: Counter = field(default_factory=Counter)
+
+    def features(self) -> np.ndarray:
+        return np.array([self.launches, self.bytes, *(self.flops.get(p, 0.0) for p in PRECISIONS)], dtype=float)
+
+    def total_flops(self) -> float:
+        return sum(self.flops.values())
+
+    def to_dict(self) -> dict:
+        return {"launches": self.launches, "flops": self.flops, "bytes": self.bytes, "syncs": self.syncs,
+                "ops": dict(self.ops)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepCounts:
+        return cls(data["launches"], dict(data["flops"]), data["bytes"], data["syncs"], Counter(data["ops"]))
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts a step's launches, matrix FLOPs by precision and the other operators' bytes (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = StepCounts()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in SYNCS:
+            self.counts.syncs += 1
+        if func.is_view or name in NO_KERNEL:
+            return out
+        counts = self.counts
+        counts.launches += 1
+        counts.ops[name] += 1
+        flops = matrix_flops(func, args, kwargs, out)
+        if flops is not None:
+            dtype = next(_tensors(args)).dtype
+            counts.flops[matmul_precision(dtype)] = counts.flops.get(matmul_precision(dtype), 0.0) + flops
+        else:
+            counts.bytes += _bytes(args, kwargs, out)
+        return out
+
+
+def count(step: Callable[[], Any]) -> StepCounts:
+    """The counts of one call of ``step``."""
+    counter = KernelCounter()
+    with counter:
+        step()
+    return counter.counts
+
+
+def extrapolate(counts: dict[tuple[int, int], StepCounts], depth: int, batch: int) -> StepCounts:
+    """The counts of a model ``depth`` blocks deep at ``batch`` images, from counts at two depths × two batch sizes
+    ``{(depth, batch): counts}``: every quantity is a + b·depth + c·batch + d·depth·batch (a block adds the same
+    operators; activations grow with depth × batch, weights' work with depth, the rest is constant), so four points
+    determine it exactly. Launches must not change with the batch (checked)."""
+    (d0, d1), (b0, b1) = sorted({d for d, _ in counts}), sorted({b for _, b in counts})
+    for d in (d0, d1):
+        if counts[d, b0].launches != counts[d, b1].launches:
+            raise ValueError(f"the launches changed with the batch at depth {d} ({counts[d, b0].launches} → "
+                             f"{counts[d, b1].launches}): a step whose operators depend on the batch size cannot be "
+                             f"extrapolated")
+    u, v = (depth - d0) / (d1 - d0), (batch - b0) / (b1 - b0)
+
+    def at(value: Callable[[StepCounts], float]) -> float:
+        q00, q01, q10, q11 = (value(counts[d, b]) for d, b in ((d0, b0), (d0, b1), (d1, b0), (d1, b1)))
+        return q00 + (q10 - q00) * u + (q01 - q00) * v + (q11 - q10 - q01 + q00) * u * v
+
+    names = set(counts[d1, b0].ops) | set(counts[d0, b0].ops)
+    ops = Counter({name: round(at(lambda c, n=name: c.ops.get(n, 0))) for name in names})
+    return StepCounts(at(lambda c: c.launches), {p: at(lambda c, p=p: c.flops.get(p, 0.0)) for p in PRECISIONS},
+                      at(lambda c: c.bytes), at(lambda c: c.syncs), +ops)
+
+
+@contextlib.contextmanager
+def cuda_path(module) -> Iterator[None]:
+    """The CPU takes the GPU's decisions for ``module`` inside the block: the fused Adam(W) kernel (set before its
+    optimizer is built), the stabilizers' CUDA choices (JaSMin streams its row statistics), and a fused attention
+    kernel where softcap would use FlexAttention (one SDPA call of the same shapes: the cap runs inside the GPU's
+    kernel)."""
+    from .. import optim
+    from ..nn import dot_attention
+
+    saved = (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention)
+
+    def fused_sdpa(q, k, v, scale, cap, compiled=True, backend="inductor"):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    optim.fused_allowed = lambda params, precision=None: bool(params)
+    dot_attention.flex_trains_on = lambda device: True
+    dot_attention.softcapped_attention = fused_sdpa
+    for stabilizer in module.stabilizers:
+        stabilizer.on_device(torch.device("cuda"))
+    module._stabilizers_device = torch.device("cpu")  # the module does not ask again on the CPU tensors
+    try:
+        yield
+    finally:
+        optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention = saved
+
+
+# ------------------------------------------------------------------------------------------------------- the model
+FORMS = ("additive", "overlap")
+CONSTANTS = ("launch_s", "bytes_per_s", *(f"{p}_flops_per_s" for p in PRECISIONS))
+
+
+@dataclass
+class GpuModel:
+    """Seconds of a step from its counts: host = launches·launch_s; device = bytes/bytes_per_s +
+    Σ_p flops_p/<p>_flops_per_s; ``additive``: host + device; ``overlap``: max(host, device)."""
+
+    launch_s: float
+    bytes_per_s: float
+    flops_per_s: dict[str, float]
+    form: str = "overlap"
+
+    def seconds(self, counts: StepCounts) -> float:
+        host = counts.launches * self.launch_s
+        device = counts.bytes / self.bytes_per_s + sum(counts.flops.get(p, 0.0) / self.flops_per_s[p]
+                                                       for p in PRECISIONS)
+        return host + device if self.form == "additive" else max(host, device)
+
+    def constants(self) -> dict[str, float]:
+        return {"launch_s": self.launch_s, "bytes_per_s": self.bytes_per_s,
+                **{f"{p}_flops_per_s": self.flops_per_s[p] for p in PRECISIONS}}
+
+    @classmethod
+    def of(cls, log_constants: np.ndarray, form: str) -> GpuModel:
+        values = np.exp(log_constants)
+        return cls(float(values[0]), float(1 / values[1]), {p: float(1 / v) for p, v in zip(PRECISIONS, values[2:])},
+                   form)
+
+
+# where the fit starts: an eager PyTorch launch ≈ 10 µs of host time, an H100/H200's HBM ≈ 3 TB/s in practice, its
+# dense bf16 ≈ 400 TFLOP/s, TF32 ≈ 200, IEEE float32 ≈ 50 (achieved, well under the data sheets' peaks)
+START = np.log([1e-5, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
+
+
+def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
+        fixed: dict[str, float] | None = None) -> GpuModel:
+    """The constants that minimise the relative error of the predicted step times (least squares in log space over
+    the constants; ``fixed`` holds constants the data cannot determine, by name, at their given value)."""
+    from scipy.optimize import least_squares
+
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    fixed = fixed or {}
+    names = ["launch_s", "bytes_per_s", *(f"{p}_flops_per_s" for p in PRECISIONS)]
+    known = {i: math.log(fixed[n] if n == "launch_s" else 1 / fixed[n]) for i, n in enumerate(names) if n in fixed}
+    free = [i for i in range(len(names)) if i not in known]
+    measured = np.asarray(seconds, dtype=float)
+
+    def full(x: np.ndarray) -> np.ndarray:
+        values = START.copy()
+        values[free] = x
+        for i, v in known.items():
+            values[i] = v
+        return values
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        model = GpuModel.of(full(x), form)
+        return np.array([model.seconds(c) for c in counts]) / measured - 1.0
+
+    result = least_squares(residuals, START[free], method="trf", x_scale=1.0, max_nfev=20000)
+    return GpuModel.of(full(result.x), form)
+
+
+def leave_one_out(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
+                  fixed: dict[str, float] | None = None) -> list[float]:
+    """For each row, the relative error of its prediction by the model fitted to the other rows."""
+    errors = []
+    for i in range(len(counts)):
+        rest = [j for j in range(len(counts)) if j != i]
+        model = fit([counts[j] for j in rest], [seconds[j] for j in rest], form, fixed)
+        errors.append(model.seconds(counts[i]) / seconds[i] - 1.0)
+    return errors
+
+
+__all__ = ["CONSTANTS", "FORMS", "GpuModel", "KernelCounter", "StepCounts", "count", "cuda_path", "extrapolate",
+           "fit", "leave_one_out", "matmul_precision", "matrix_flops"]

@@ -1,0 +1,103 @@
+"""The CPU model of a GPU step (stability/testing/gpu_model.py): the counter counts what it says — a matrix
+product's FLOPs by the precision it runs in, no launch for a view or an allocation, the other operators' bytes —
+the extrapolation over depth and batch is exact, the CUDA path is taken on the CPU, and the fit recovers constants
+that made the data (and fails to when the data are made by another form)."""
+import numpy as np
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.nn.precision import ieee_float32
+from stability.testing.gpu_model import (
+    GpuModel,
+    StepCounts,
+    count,
+    cuda_path,
+    extrapolate,
+    fit,
+    leave_one_out,
+)
+
+
+def test_a_matrix_product_is_counted_by_its_precision_and_a_view_launches_nothing():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+
+    def step():
+        (a @ b).t().unsqueeze(0)  # mm, then two views
+        torch.relu(a)  # 8·16 floats in and out
+
+    torch.set_float32_matmul_precision("high")
+    try:
+        training = count(step)
+        with ieee_float32():
+            exact = count(step)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert training.launches == 2 and training.ops == {"mm": 1, "relu": 1}
+    assert training.flops["tf32"] == 2 * 8 * 16 * 4 and exact.flops["fp32"] == 2 * 8 * 16 * 4
+    assert training.bytes == 2 * 8 * 16 * 4
+    with torch.autocast("cpu", torch.bfloat16):
+        half = count(lambda: a @ b)
+    assert half.flops["bf16"] == 2 * 8 * 16 * 4 and half.ops["_to_copy"] == 2  # autocast's casts are launches
+
+
+def test_the_fused_attention_is_counted_as_one_kernel_with_its_flops():
+    q = k = v = torch.randn(2, 3, 16, 8, requires_grad=True)
+    counts = count(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward())
+    assert counts.ops["_scaled_dot_product_flash_attention_for_cpu"] == 1
+    forward = 4 * 2 * 3 * 16 * 16 * 8  # QKᵀ and PV, 2 FLOPs a multiply-add
+    assert counts.flops["fp32"] + counts.flops["tf32"] == pytest.approx(forward * 3.5)  # backward 2.5 × forward
+
+
+def test_depth_and_batch_extrapolate_exactly():
+    """Counts made bilinear in depth and batch are recovered anywhere from the four corners."""
+    def made(depth, batch):
+        return StepCounts(10 + 7 * depth, {"bf16": 3 + 5 * depth * batch + 2 * batch, "tf32": 0.0, "fp32": depth},
+                          11 * batch + 13 * depth * batch, 0.0)
+
+    corners = {(d, b): made(d, b) for d in (1, 2) for b in (2, 4)}
+    far = extrapolate(corners, 12, 256)
+    assert far.launches == made(12, 256).launches and far.bytes == made(12, 256).bytes
+    assert far.flops == made(12, 256).flops
+    corners[1, 4] = StepCounts(18, {"bf16": 0.0, "tf32": 0.0, "fp32": 0.0}, 0.0, 0.0)  # one launch more at batch 4
+    with pytest.raises(ValueError, match="launches changed with the batch"):
+        extrapolate(corners, 12, 256)
+
+
+def test_the_cuda_path_takes_the_gpus_decisions_on_the_cpu():
+    module = ImageClassifier(image_size=8, backbone_options=dict(embed_dim=32, depth=1, num_heads=2),
+                             stabilizer="jasmin")
+    with cuda_path(module):
+        optimizer = module.build_optimizer()
+        assert module.stabilizers[0].streamed  # JaSMin's auto choice on CUDA
+        assert optimizer.defaults.get("fused") or all(g.get("fused") for g in optimizer.param_groups)
+    assert not ImageClassifier(image_size=8).build_optimizer().param_groups[0].get("fused")  # restored after
+
+
+def synthetic(model: GpuModel, rows: int = 12, seed: int = 0) -> list[StepCounts]:
+    rng = np.random.default_rng(seed)
+    return [StepCounts(float(rng.integers(500, 10000)), {"bf16": float(rng.uniform(5e12, 2e13)), "tf32": 0.0,
+                                                         "fp32": float(rng.uniform(0, 1e12))},
+                       float(rng.uniform(5e10, 5e11)), 0.0) for _ in range(rows)]
+
+
+@pytest.mark.parametrize("form", ["additive", "overlap"])
+def test_the_fit_recovers_the_constants_that_made_the_data(form):
+    truth = GpuModel(8e-6, 3e12, {"bf16": 3e14, "tf32": 1.5e14, "fp32": 4e13}, form)
+    counts = synthetic(truth)
+    seconds = [truth.seconds(c) for c in counts]
+    fitted = fit(counts, seconds, form, fixed={"tf32_flops_per_s": 1.5e14})
+    assert max(abs(fitted.seconds(c) / s - 1) for c, s in zip(counts, seconds)) < 1e-6
+    errors = leave_one_out(counts, seconds, form, fixed={"tf32_flops_per_s": 1.5e14})
+    # overlapping: a row that alone shows a constant (the only host-bound one) is predicted less well without it
+    assert max(abs(e) for e in errors) < (1e-4 if form == "additive" else 5e-2)
+
+
+def test_the_wrong_form_leaves_errors_the_right_one_does_not():
+    """Data made by host and device overlapping cannot be fitted to the last bits by adding them (a planted
+    misfit): the check above can fail."""
+    truth = GpuModel(2e-5, 3e12, {"bf16": 3e14, "tf32": 1.5e14, "fp32": 4e13}, "overlap")
+    counts = synthetic(truth, seed=1)
+    seconds = [truth.seconds(c) for c in counts]
+    wrong = fit(counts, seconds, "additive", fixed={"tf32_flops_per_s": 1.5e14})
+    assert max(abs(wrong.seconds(c) / s - 1) for c, s in zip(counts, seconds)) > 1e-3
