@@ -5,14 +5,15 @@ training time (``time/train_epoch_s``, the training steps only) fits in the budg
     python experiments/wallclock.py runs/sweeps/certified_long --budgets 15,30,60,120 \\
         --out results/certified_transformers/wallclock.md
 
-Needs runs that log ``time/train_epoch_s`` (``--timing.enabled true``) and certified accuracy at validation
+The certified studies' view of ``stability report RUNS --cost wall`` (stability/report/equal_cost.py), which
+compares any runs at equal wall-clock time, FLOPs or predicted GPU time on every metric they logged. Needs runs that
+log ``time/train_epoch_s`` (``--timing.enabled true``) and certified accuracy at validation
 (``--robustness.every_n_epochs 1``). Unfinished runs are included, marked with their epochs so far. The runs
 shared the same machine; runs that trained at the same time shared its cores, which the times include.
 """
 from __future__ import annotations
 
 import argparse
-import bisect
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,41 +22,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stability import tags  # noqa: E402
+from stability.report import equal_cost  # noqa: E402
 from stability.report.plots import short_names  # noqa: E402
 from stability.report.reading import find_runs, load_run  # noqa: E402
 
 RADII = ("0.5", "1.58")
-
-
-def _by_epoch(series: list[tuple[int, float]], ends: list[int]) -> list[float | None]:
-    """The value logged in each training epoch's window [end_k, end_{k+1}) of global steps (validation logs at its
-    epoch's last step; None where an epoch has none): joined by step, not by position, so resumed runs and
-    measurements every N epochs line up."""
-    values: list[float | None] = [None] * len(ends)
-    for step, value in series:
-        epoch = bisect.bisect_right(ends, step) - 1
-        if epoch >= 0:
-            values[epoch] = value
-    return values
+METRICS = [tags.stage_metric("val", "acc"), *(f"{tags.CERTIFIED}/acc_L2_{r}" for r in RADII)]
 
 
 def at_budgets(run, budgets_s: list[float]) -> list[dict | None]:
-    """Per budget: {epochs, seconds, acc, certified at each radius} of the last epoch within it (None: not one)."""
-    timed = run.scalars.get(tags.TIME_TRAIN_EPOCH, [])
-    ends = [step for step, _ in timed]
-    accuracy = _by_epoch(run.scalars.get(tags.stage_metric("val", "acc"), []), ends)
-    certified = {r: _by_epoch(run.scalars.get(f"{tags.CERTIFIED}/acc_L2_{r}", []), ends) for r in RADII}
+    """Per budget: {epochs, acc, certified at each radius} of the last epoch within it at which all three were
+    logged (None: not one)."""
     rows = []
     for budget in budgets_s:
-        elapsed, last = 0.0, None
-        for epoch, (_, seconds) in enumerate(timed):
-            elapsed += seconds
-            if elapsed > budget:
-                break
-            if accuracy[epoch] is not None and all(v[epoch] is not None for v in certified.values()):
-                last = {"epochs": epoch + 1, "seconds": elapsed, "acc": accuracy[epoch],
-                        **{r: v[epoch] for r, v in certified.items()}}
-        rows.append(last)
+        cells = equal_cost.at_budget(run, "wall", budget / 60, METRICS, together=True)
+        if any(cell is None for cell in cells.values()):
+            rows.append(None)
+            continue
+        acc, *certified = (cells[m] for m in METRICS)
+        rows.append({"epochs": acc[1], "acc": acc[0], **{r: c[0] for r, c in zip(RADII, certified)}})
     return rows
 
 

@@ -15,6 +15,10 @@ TRAIN_LOSS = "train/loss"
 TRAIN_ACC = "train/acc"
 TRAIN_LR = "train/lr"
 TIME_TRAIN_EPOCH = "time/train_epoch_s"   # seconds of the training steps of an epoch (opt-in timing)
+COST_STEP_GFLOPS = "cost/step_gflops"     # matrix GFLOPs of one training step (callbacks/cost.py)
+COST_TRAIN_TFLOPS = "cost/train_tflops"   # matrix TFLOPs of the training steps so far
+COST_GPU_TRAIN_S = "cost/gpu_train_s"     # the training steps so far, in seconds predicted on a reference GPU
+BY_GFLOP = "by_gflop"                     # validation metrics again, with the step axis in GFLOPs of training
 
 HP_VAL_ACC = "hp/val_acc"
 HP_VAL_LOSS = "hp/val_loss"
@@ -32,6 +36,11 @@ ROBUST = "robust"
 CERTIFIED = "certified"
 ATTENTION = "attention"
 WEIGHTS = "weights"
+
+
+def by_gflop(tag: str) -> str:
+    """``by_gflop/<tag>``: a validation metric logged again with the training GFLOPs spent as its step."""
+    return f"{BY_GFLOP}/{tag}"
 
 
 def stage_metric(stage: str, metric: str) -> str:

@@ -15,7 +15,10 @@ configuration, and writes under ``results/<study>/`` (``--out``):
   ``accuracy_vs_paper_bound.png`` where they have the Lipschitz transformer's paper bound, with the
   accuracy–bound frontier marked and named in ``report.md``;
 * where configurations differ only in their learning rate: Wortsman et al.'s LR sensitivity, the largest stable
-  learning rate and the divergence rate per family (a table in ``report.md``), and ``loss_vs_lr.png``.
+  learning rate and the divergence rate per family (a table in ``report.md``), and ``loss_vs_lr.png``;
+* the runs at equal cost (:mod:`.equal_cost`): for each budget of training cost — matrix FLOPs (``--cost flops``,
+  the default where runs logged them), wall-clock time (``wall``) or the time predicted on a reference GPU (``gpu``)
+  — every validation metric of every run at its last epoch within the budget, and ``equal_cost_<cost>.png``.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import sys
 from pathlib import Path
 
 from .. import exit_codes, tags
+from . import equal_cost
 from .aggregate import group, label_configurations, sweep_order, table
 from .lr_sensitivity import lr_families, lr_table, plot_loss_vs_lr
 from .plots import (
@@ -35,15 +39,21 @@ from .plots import (
     plot_lipschitz_distribution,
     plot_loss_curves,
     plot_robust_vs_budget,
+    short_names,
 )
 from .reading import find_runs, load_run
 
 
-def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
+def write_report(runs_dir: Path, out: Path, study: str, command: str, cost: str | None = None,
+                 budgets: list[float] | None = None) -> Path:
     records = [r for r in (load_run(p) for p in find_runs(runs_dir)) if r is not None]
     if not records:
         raise ValueError(f"no finished runs under {runs_dir} (a run is a directory with config.yaml and "
                          f"TensorBoard events; sweep runs count once done.json is written)")
+    if cost is not None:
+        equal_cost.check_logged(records, cost, runs_dir)
+    else:  # the machine-independent cost where the runs logged it
+        cost = next((c for c in ("flops", "wall") if equal_cost.logged(records, c)), None)
     label_configurations(records)
     sweep_order(runs_dir, records)
     configurations = group(records)
@@ -96,9 +106,25 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str) -> Path:
     for name, drawn in plots.items():
         if drawn:
             lines += [f"![{name[:-4]}]({name})", ""]
+    if cost is not None:
+        names = run_names(records)
+        lines += equal_cost.section(records, names, cost, budgets, out, study)
     report = out / "report.md"
     report.write_text("\n".join(lines))
     return report
+
+
+def run_names(records) -> dict[str, str]:
+    """A short, distinct name per run: its configuration's legend name, with its seed where seeds differ."""
+    from types import SimpleNamespace
+
+    names = short_names([SimpleNamespace(label=r.configuration or r.path.name, stabilizer=r.stabilizer)
+                         for r in records])
+    seeds = {r.configuration: set() for r in records}
+    for r in records:
+        seeds[r.configuration].add(r.seed)
+    return {str(r.path): names[r.configuration or r.path.name] + (f", seed {r.seed}" if len(seeds[r.configuration]) > 1
+                                                                  else "") for r in records}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs_dir", help="a sweep directory or any directory of runs")
     p.add_argument("--study", help="study name (default: the directory's name)")
     p.add_argument("--out", help="output directory (default results/<study>)")
+    p.add_argument("--cost", choices=sorted(equal_cost.COSTS), default=None,
+                   help="compare at equal cost: flops (matrix FLOPs, machine-independent; the default where logged), "
+                        "wall (wall-clock training time) or gpu (time predicted on the reference GPU)")
+    p.add_argument("--budgets", default=None, help="budgets in the cost's unit (TFLOP, minutes, GPU seconds), "
+                                                   "comma-separated; default 1/8, 1/4, 1/2 and all of the longest run")
     args = p.parse_args(argv)
     runs_dir = Path(args.runs_dir)
     if not runs_dir.is_dir():
@@ -115,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("results") / study
     command = "stability report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
     try:
-        report = write_report(runs_dir, out, study, command)
+        budgets = None if args.budgets is None else equal_cost.parse_budgets(args.budgets)
+        report = write_report(runs_dir, out, study, command, args.cost, budgets)
     except ValueError as err:
         print(f"stability report: error: {err}", file=sys.stderr)
         return exit_codes.BAD_INPUT
