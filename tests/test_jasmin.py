@@ -116,6 +116,57 @@ def test_row_statistics_equal_the_materialised_softmax_and_pass_gradcheck():
     torch.autograd.gradcheck(lambda a, b: row_statistics(a, b, 0.7, 3, block=5), (q, k))
 
 
+def test_row_statistics_blocks_fill_their_budget_and_multiply_fp32_values_in_ieee(monkeypatch):
+    """Blocks hold as many rows as the budget's float32 logits allow (all 257 rows of a ViT-S layer at batch 256);
+    bf16 queries and keys multiply with the run's TF32 setting (their products are exact there), float32 ones with
+    TF32 off: a float32 product under TF32 (a planted error) would round each factor to 10 bits."""
+    from stability.nn import row_statistics as module
+
+    q = torch.empty(256, 6, 257, 64, device="meta")
+    assert module.block_rows(q, q) == 257
+    assert module.block_rows(torch.empty(2, 1, 100, 8), torch.empty(2, 1, 100, 8), budget=4 * 100 * 2 * 10) == 10
+    seen = []
+    original = torch.Tensor.topk
+
+    def topk(self, *args, **kwargs):  # runs inside the block that multiplies
+        seen.append(torch.get_float32_matmul_precision())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "topk", topk)
+    torch.set_float32_matmul_precision("high")  # training on a GPU
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 2, 9, 8, generator=gen)
+        row_statistics(x.bfloat16(), x.bfloat16(), 0.5, 3)
+        row_statistics(x, x, 0.5, 3)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen == ["high", "highest"]
+
+
+def test_the_bf16_gradient_is_within_bf16_rounding_and_a_dropped_term_is_not(monkeypatch):
+    """bf16 queries and keys (as under bf16-mixed): the LSE's gradient runs through the attention kernel in bf16
+    (P rounded to bf16 before P·K): within 2⁻⁶ of the float64 gradient of the same values, relative to its largest
+    entry; the gradient without the LSE's part (a planted error) is ≥ 10× further off."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = ((2 * torch.randn(2, 3, 33, 16, generator=gen)).bfloat16() for _ in range(2))
+    weights = torch.randn(2, 3, 33, 6, generator=gen, dtype=torch.float64)
+
+    def gradient(a, b):
+        a, b = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
+        (top_probabilities_streamed(a, b, 0.25, 6).double() * weights).sum().backward()
+        return torch.cat([a.grad.double().flatten(), b.grad.double().flatten()])
+
+    reference = gradient(q.double(), k.double())
+    scale = reference.abs().max()
+    assert (gradient(q, k) - reference).abs().max() <= 2 ** -6 * scale
+    from stability.nn import row_statistics as module
+
+    original = module.F.scaled_dot_product_attention
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", lambda *a, **kw: 0 * original(*a, **kw))
+    assert (gradient(q, k) - reference).abs().max() > 10 * 2 ** -6 * scale
+
+
 @pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (10, "mean")])
 def test_streamed_jasmin_equals_the_materialised_loss_and_gradient_on_vit(k, reduction):
     """Same loss and same gradient for every parameter, with the fused attention path kept."""

@@ -6,86 +6,126 @@ p₍₁₎ ≥ … ≥ p₍ₖ₊₁₎ (for g₁ and g_k, JaSMin Theorem 4). Wi
     p₍ⱼ₎ = exp(s₍ⱼ₎ − LSE(s_i)),   LSE(s_i) = log Σ_m exp(s_im),
 
 so the log-sum-exp and the top-(k+1) logits of each row suffice. :func:`row_statistics` computes
-them a block of rows at a time (memory O(rows × N) instead of O(N²) per head), keeps only the
-LSE, the top values and their indices, and recomputes each block in the backward pass:
+them a block of rows at a time, keeps only the LSE, the top values and their indices (nothing of size N² is saved
+for the backward pass). The backward pass has two parts:
 
-    ∂/∂s_im = ḡ_LSE,i · p_im + Σ_j ḡ_top,ij · [m = idx_ij],   dq = scale · dS K,  dK = scale · dSᵀ Q,
+    ∂/∂s_im = ḡ_LSE,i · p_im + Σ_j ḡ_top,ij · [m = idx_ij],   dq = scale · dS K,  dK = scale · dSᵀ Q.
 
-so the attention output itself can keep the fused (flash) kernel. Tested against the
-materialised softmax and against ``torch.autograd.gradcheck``.
+The LSE part needs the dense probabilities, but only through P·K and Pᵀ·(ḡ·Q): an attention with the keys as its
+values gives P·K, and the same call's backward with (scale·ḡ·Q) as the output's gradient gives Pᵀ·(scale·ḡ·Q) as the
+values' gradient — one fused attention forward and backward (SDPA), with no N × N matrix in memory. The top part is
+``count`` entries a row, scattered into a block and multiplied. So the attention output itself and JaSMin's
+statistics both keep fused kernels. Tested against the materialised softmax and ``torch.autograd.gradcheck``.
 
-Everything here runs in float32 with autocast and TF32 off, whatever the training precision: the
-probabilities come from two separately rounded numbers, exp(s₍ⱼ₎ − LSE), and in bfloat16 (8-bit mantissa)
-each is off by about |s|·2⁻⁸, enough for p₍₁₎ to pass 1 and for 1 − p₍₁₎ + p₍₂₎ to cancel. The queries and
-keys are the model's own (bf16 under mixed precision: their products are exact in float32).
+A block holds as many rows as fit in ``BLOCK_BYTES`` of float32 logits (all rows of a ViT-S layer at batch 256 and
+257 tokens: one matrix product per layer and pass, where 64-row blocks took five, each with its copies).
+
+The logits are float32, whatever the training precision: the probabilities come from two separately rounded
+numbers, exp(s₍ⱼ₎ − LSE), and in bfloat16 (8-bit mantissa) each is off by about |s|·2⁻⁸, enough for p₍₁₎ to pass
+1 and for 1 − p₍₁₎ + p₍₂₎ to cancel. Under mixed precision the queries and keys arrive as bf16 (or fp16) values,
+whose products are exact in TF32 (10 mantissa bits) as in IEEE float32, with float32 sums: their products run with
+the run's TF32 setting (the matrix units' float32 speed on a GPU), and the LSE's gradient goes through the attention
+kernel in their own dtype (its products exact, its P·K rounded as the model's attention rounds it). Queries and keys
+that are float32 values (an fp32 run) are multiplied in IEEE float32, TF32 off. Autocast is off throughout.
 """
 from __future__ import annotations
 
-import torch
+import contextlib
 
-from .precision import float32_math
+import torch
+import torch.nn.functional as F
+
+from .precision import ieee_float32
+
+BLOCK_BYTES = 512 * 2 ** 20  # float32 logits per block (the backward holds two such blocks at once)
+EXACT_IN_TF32 = (torch.bfloat16, torch.float16)  # inputs whose products TF32 computes exactly
+
+def _products(device_type: str, exact_in_tf32: bool):
+    """Autocast off; TF32 as the run sets it where the inputs' products are exact in it, else IEEE float32."""
+    off = torch.autocast(device_type, enabled=False)
+    if exact_in_tf32:
+        return off
+    stack = contextlib.ExitStack()
+    stack.enter_context(off)
+    stack.enter_context(ieee_float32())
+    return stack
+
+
+def block_rows(q: torch.Tensor, k: torch.Tensor, budget: int = BLOCK_BYTES) -> int:
+    """Rows per block: as many as keep a block of float32 logits (…, rows, M) within ``budget`` bytes (at least 1)."""
+    per_row = 4 * k.shape[-2] * max(1, q[..., 0, 0].numel())
+    return max(1, min(q.shape[-2], budget // per_row))
 
 
 class _RowStatistics(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int, low: torch.dtype | None):
         n_rows, n_keys = q.shape[-2], k.shape[-2]
         count = min(count, n_keys)
         lse = q.new_empty(q.shape[:-1])
         top = q.new_empty(*q.shape[:-1], count)
         index = torch.empty(*q.shape[:-1], count, dtype=torch.long, device=q.device)
         keys_t = k.transpose(-1, -2)
-        with float32_math(q.device.type):
+        with _products(q.device.type, low is not None):
+            scaled = q * scale  # once, on (…, N, d), instead of on every (…, rows, M) block
             for start in range(0, n_rows, block):
                 stop = min(start + block, n_rows)
-                logits = (q[..., start:stop, :] @ keys_t) * scale
+                logits = scaled[..., start:stop, :] @ keys_t
                 lse[..., start:stop] = logits.logsumexp(-1)
                 values, indices = logits.topk(count, dim=-1)
                 top[..., start:stop, :] = values
                 index[..., start:stop, :] = indices
-        ctx.save_for_backward(q, k, lse, index)
-        ctx.scale, ctx.block = scale, block
+        ctx.save_for_backward(q, k, index)
+        ctx.scale, ctx.block, ctx.low = scale, block, low
         ctx.mark_non_differentiable(index)
         return lse, top, index
 
     @staticmethod
     def backward(ctx, grad_lse: torch.Tensor | None, grad_top: torch.Tensor | None, _grad_index):
-        q, k, lse, index = ctx.saved_tensors
-        scale, block = ctx.scale, ctx.block
+        q, k, index = ctx.saved_tensors
+        scale, block, low = ctx.scale, ctx.block, ctx.low
         grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
-        keys_t = k.transpose(-1, -2)
-        with float32_math(q.device.type):
-            for start in range(0, q.shape[-2], block):
-                stop = min(start + block, q.shape[-2])
-                rows = q[..., start:stop, :]
-                logits = (rows @ keys_t) * scale
-                if grad_lse is not None:
-                    grad_logits = (logits - lse[..., start:stop, None]).exp() * grad_lse[..., start:stop, None]
-                else:
-                    grad_logits = torch.zeros_like(logits)
-                if grad_top is not None:
-                    grad_logits.scatter_add_(-1, index[..., start:stop, :], grad_top[..., start:stop, :])
-                grad_q[..., start:stop, :] = (grad_logits @ k) * scale
-                grad_k += (grad_logits.transpose(-1, -2) @ rows) * scale
-        return grad_q, grad_k, None, None, None
+        if grad_lse is not None:  # ∂LSE_i/∂s_im = p_im: a fused attention kernel's forward and backward (module doc)
+            dtype = low or q.dtype  # bf16 values back in bf16 (exactly): the kernel's fast path
+            with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+                values = k.detach().to(dtype).requires_grad_(True)
+                attended = F.scaled_dot_product_attention(q.detach().to(dtype), k.detach().to(dtype), values,
+                                                          scale=scale)  # P·K
+                weighted = (scale * grad_lse[..., None] * q).to(dtype)
+                (transposed,) = torch.autograd.grad(attended, values, weighted)  # Pᵀ·(scale·g·Q)
+            grad_q += scale * grad_lse[..., None] * attended.detach().to(q.dtype)
+            grad_k += transposed.to(k.dtype)
+        if grad_top is not None:  # the top logits: (count) entries a row, scattered a block of rows at a time
+            with _products(q.device.type, low is not None):
+                for start in range(0, q.shape[-2], block):
+                    stop = min(start + block, q.shape[-2])
+                    rows = index[..., start:stop, :]
+                    sparse = q.new_zeros(*rows.shape[:-1], k.shape[-2]).scatter_add_(-1, rows,
+                                                                                      grad_top[..., start:stop, :])
+                    grad_q[..., start:stop, :] += scale * (sparse @ k)
+                    grad_k += scale * (sparse.transpose(-1, -2) @ q[..., start:stop, :])
+        return grad_q, grad_k, None, None, None, None
 
 
 def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
-                   block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                   block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LSE and the ``count`` largest logits (descending) of every row of softmax(scale · q kᵀ).
 
     q: (..., N, d), k: (..., M, d) → lse (..., N), top (..., N, min(count, M)), in float32 at least
-    (bf16 / fp16 inputs are promoted); differentiable in q and k. ``block`` rows are materialised at a time.
+    (bf16 / fp16 inputs are promoted, and multiplied with the run's TF32 setting: exact); differentiable in q and k.
+    ``block`` rows are materialised at a time (default: :func:`block_rows`).
     """
+    block = block_rows(q, k) if block is None else block
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
+    low = q.dtype if q.dtype in EXACT_IN_TF32 and k.dtype == q.dtype else None
     dtype = torch.promote_types(q.dtype, torch.float32)
-    lse, top, _ = _RowStatistics.apply(q.to(dtype), k.to(dtype), float(scale), int(count), int(block))
+    lse, top, _ = _RowStatistics.apply(q.to(dtype), k.to(dtype), float(scale), int(count), int(block), low)
     return lse, top
 
 
 def top_probabilities_streamed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
-                               block: int = 64) -> torch.Tensor:
+                               block: int | None = None) -> torch.Tensor:
     """The ``count`` largest probabilities of each row of softmax(scale · q kᵀ), descending,
     zero-padded past M (as :func:`stability.nn.softmax_bounds.top_probabilities`)."""
     lse, top = row_statistics(q, k, scale, count, block)
