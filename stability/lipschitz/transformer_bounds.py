@@ -256,21 +256,19 @@ def _dot_attention(i: int, attn: nn.Module, sigmas: dict[str, torch.Tensor], tok
                    differentiable: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(Lipschitz bound, output token size) of the Lipschitz transformer's attention (1/3)·W_O·softmax(c·QKᵀ)·V
     on tokens of size ≤ r (module docstring)."""
-    c, bias = attn.kernel.s / attn.head_dim, attn.qkv.bias
-    heads, values, w_o_heads = [], [], []
-    for h in range(attn.num_heads):
-        w_q, w_k, w_v = (sigmas[f"{i}.{p}{h}"] for p in "qkv")
-        b_q, b_k, b_v = (_size(None if bias is None else bias[_head_rows(attn, p, h)], differentiable, r)
+    c, bias, heads = attn.kernel.s / attn.head_dim, attn.qkv.bias, range(attn.num_heads)
+    w_q, w_k, w_v, w_o_heads = (torch.stack([sigmas[f"{i}.{p}{h}"] for h in heads]) for p in "qkvo")  # (H,) each
+    if bias is None:
+        b_q = b_k = b_v = r.new_zeros(())
+    else:
+        b_q, b_k, b_v = (torch.stack([_size(bias[_head_rows(attn, p, h)], differentiable, r) for h in heads])
                          for p in "qkv")
-        r_q, r_k, r_v = w_q * r + b_q, w_k * r + b_k, w_v * r + b_v
-        root = column_sum_bound(tokens, 2 * c * r_q * r_k).sqrt()
-        heads.append(root * w_v + c * r_v * (r_k * w_q + root * r_q * w_k))
-        values.append(r_v)
-        w_o_heads.append(sigmas[f"{i}.o{h}"])
-    heads, values, w_o_heads = torch.stack(heads), torch.stack(values), torch.stack(w_o_heads)
+    r_q, r_k, r_v = w_q * r + b_q, w_k * r + b_k, w_v * r + b_v  # every head at once: one launch per step, not H
+    root = column_sum_bound(tokens, 2 * c * r_q * r_k).sqrt()
+    per_head = root * w_v + c * r_v * (r_k * w_q + root * r_q * w_k)
     whole = sigmas[f"{i}.o"]
-    lip = torch.minimum(whole * torch.linalg.vector_norm(heads), (w_o_heads * heads).sum()) / 3
-    size = torch.minimum(whole * torch.linalg.vector_norm(values), (w_o_heads * values).sum()) / 3 \
+    lip = torch.minimum(whole * torch.linalg.vector_norm(per_head), (w_o_heads * per_head).sum()) / 3
+    size = torch.minimum(whole * torch.linalg.vector_norm(r_v), (w_o_heads * r_v).sum()) / 3 \
         + _size(attn.proj.bias, differentiable, r)
     return lip, size
 
