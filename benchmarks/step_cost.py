@@ -47,8 +47,8 @@ from stability.models.registry import PRESETS
 from stability.nn.precision import allow_tf32_training
 from stability.testing.gpu_model import (
     FORMS,
+    NOMINAL_H200,
     PRECISIONS,
-    START,
     StepCounts,
     count,
     cuda_path,
@@ -236,13 +236,20 @@ def measured_table(path: Path) -> dict[str, float]:
     return rows
 
 
-def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[str, float]) -> tuple[list, str]:
-    """The table of counts, measured and predicted times and ratios, and a paragraph on the fit."""
-    fitted = [label for label in labels if label in measured and label not in NOT_MODELLED]
-    data = [counts[label] for label in fitted]
+def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[str, float],
+               as_measured: dict[str, StepCounts] | None = None) -> tuple[list, str]:
+    """The table of counts, measured and predicted times and ratios, and a paragraph on the fit. The model is fitted
+    to ``as_measured`` (the counts of the code the GPU table measured) where given, else to ``counts``."""
+    as_measured = as_measured or counts
+    fitted = [label for label in labels if label in measured and label not in NOT_MODELLED and label in as_measured]
+    data = [as_measured[label] for label in fitted]
     seconds = [measured[label] / 1000 for label in fitted]
-    used = [p for p in PRECISIONS if any(c.flops.get(p, 0.0) > 0 for c in data)]
-    fixed = {f"{p}_flops_per_s": 1 / math.exp(START[2 + PRECISIONS.index(p)]) for p in PRECISIONS if p not in used}
+    # a precision's throughput is fitted only where its FLOPs differ between rows by ≥ 5% of a step's: otherwise the
+    # table cannot tell it from the constant part of every step, and it stays at the data sheet's value × 0.6
+    total = sum(c.total_flops() for c in data) / len(data)
+    used = [p for p in PRECISIONS if max(c.flops.get(p, 0.0) for c in data) - min(c.flops.get(p, 0.0) for c in data)
+            >= 0.05 * total]
+    fixed = {f"{p}_flops_per_s": NOMINAL_H200[p] for p in PRECISIONS if p not in used}
     results = {}
     for form in FORMS:
         model = fit(data, seconds, form, fixed)
@@ -259,6 +266,10 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
         ratio = predicted / (1000 * model.seconds(counts[ref]))
         measured_ratio = measured[label] / measured[ref] if label in measured else float("nan")
         note = NOT_MODELLED.get(label, "") if label not in errors else f"{100 * errors[label]:+.0f}%"
+        before = as_measured.get(label)
+        if before is not None and (before.launches, round(before.bytes)) != (c.launches, round(c.bytes)):
+            note += (f"; changed since the GPU run (then {before.launches:.0f} launches, {before.bytes / 1e9:.0f} GB: "
+                     f"{1000 * model.seconds(before):.0f} ms predicted)")
         rows.append([label, int(c.launches), c.bytes / 1e9, c.flops["bf16"] / 1e12, c.flops["tf32"] / 1e12,
                      c.flops["fp32"] / 1e12, measured.get(label, float("nan")), predicted,
                      f"{measured_ratio:.2f}×" + ("" if ref == "none" else f" ({ref})"), f"{ratio:.2f}×", note])
@@ -268,9 +279,11 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
     other = [f for f in FORMS if f != form][0]
     other_median = sorted(abs(e) for e in results[other][1].values())[len(fitted) // 2]
     text = (f"Model: `{form}` (host {constants['launch_s'] * 1e6:.1f} µs per launch; device "
+            + (f"{constants['kernel_s'] * 1e6:.1f} µs per kernel, " if form == "overlap" else "") +
             f"{constants['bytes_per_s'] / 1e12:.2f} TB/s for the non-matrix operators, "
             + ", ".join(f"{p} {constants[f'{p}_flops_per_s'] / 1e12:.0f} TFLOP/s" for p in used)
-            + (f"; {', '.join(p for p in PRECISIONS if p not in used)} not in any row: not determined" if fixed else "")
+            + (f"; {', '.join(f'{p} fixed at {NOMINAL_H200[p] / 1e12:.0f}' for p in PRECISIONS if p not in used)} "
+               f"(0.6 × the H200's dense peak: the table does not determine it)" if fixed else "")
             + f"), fitted to {len(fitted)} rows of the H200 table by relative least squares. Leave-one-out error "
             f"(each row predicted by the model fitted to the others): median {100 * median:.0f}%, worst "
             f"{100 * errors[worst]:+.0f}% ({worst}); the `{other}` form's median is {100 * other_median:.0f}%.")
@@ -301,13 +314,19 @@ def count_main(args, precision: str) -> None:
         print(f"{case.label}: {c.launches:.0f} launches, {c.bytes / 1e9:.2f} GB, "
               + ", ".join(f"{p} {c.flops[p] / 1e12:.3f} TFLOP" for p in PRECISIONS), flush=True)
     measured = measured_table(Path(args.measured))
-    rows, text = model_rows([c.label for c in cases], counts, measured)
+    as_measured = None
+    if args.fit_counts:
+        kept = json.loads(Path(args.fit_counts).read_text())["counts"]
+        as_measured = {label: StepCounts.from_dict(value) for label, value in kept.items()}
+    rows, text = model_rows([c.label for c in cases], counts, measured, as_measured)
     header = ["stabilizer", "launches", "GB (non-matrix ops)", "bf16 TFLOP", "tf32 TFLOP", "fp32 TFLOP",
               "H200 ms", "predicted ms", "H200 ratio", "predicted ratio", "leave-one-out error"]
     body = (f"{backbone}:{size}, {tokens} tokens, batch {args.batch}, {precision}: one training step counted on "
             f"the CPU on the GPU's code path (fused AdamW, JaSMin's streamed statistics, a fused attention kernel "
             f"where softcap uses FlexAttention), from steps of {COUNT_DEPTHS} blocks at batch {COUNT_BATCHES} "
-            f"(stability/testing/gpu_model.py). Measured: `{Path(args.measured).relative_to(ROOT)}`.\n\n{text}\n\n"
+            f"(stability/testing/gpu_model.py). Measured: `{Path(args.measured).relative_to(ROOT)}`"
+            + (f", the model fitted to the counts of the code it measured (`{args.fit_counts}`)" if args.fit_counts
+               else "") + f".\n\n{text}\n\n"
             + markdown(header, rows))
     write("step_model", args, torch.device("cpu"), "The GPU step predicted from CPU counts", body)
 
@@ -327,6 +346,8 @@ def main() -> None:
     p.add_argument("--measured", default=str(H200_TABLE), help="a step_cost.py table of GPU times to fit the model to")
     p.add_argument("--cases", default=None, help="--count: only these rows (labels separated by ';')")
     p.add_argument("--recount", action="store_true", help="--count: count again the rows kept in <out>.json")
+    p.add_argument("--fit_counts", default=None, help="--count: fit the model to these counts (a <out>.json of the "
+                                                      "code the GPU table measured) and predict the current code's")
     args = p.parse_args()
     if args.count:
         setup(args)

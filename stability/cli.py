@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from . import exit_codes
 from .callbacks import (
+    CostMeter,
     DivergenceMonitor,
     EpochTimer,
     LipschitzMonitor,
@@ -190,6 +191,7 @@ class StabilityCLI(LightningCLI):
         parser.add_lightning_class_args(DivergenceMonitor, "divergence")
         parser.add_lightning_class_args(TrainingStability, "stability")
         parser.add_lightning_class_args(EpochTimer, "timing")
+        parser.add_lightning_class_args(CostMeter, "cost")
         parser.add_lightning_class_args(LipschitzMonitor, "lipschitz")
         parser.add_lightning_class_args(RobustnessMonitor, "robustness")
 

@@ -209,39 +209,53 @@ def cuda_path(module) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------------------- the model
 FORMS = ("additive", "overlap")
-CONSTANTS = ("launch_s", "bytes_per_s", *(f"{p}_flops_per_s" for p in PRECISIONS))
+CONSTANTS = ("launch_s", "kernel_s", "bytes_per_s", *(f"{p}_flops_per_s" for p in PRECISIONS))
+TIMES = ("launch_s", "kernel_s")  # constants in seconds; the others are rates
 
 
 @dataclass
 class GpuModel:
-    """Seconds of a step from its counts: host = launches·launch_s; device = bytes/bytes_per_s +
-    Σ_p flops_p/<p>_flops_per_s; ``additive``: host + device; ``overlap``: max(host, device)."""
+    """Seconds of a step from its counts: host = launches·launch_s (the host's time to issue a kernel); device =
+    launches·kernel_s (a kernel's least time on the device) + bytes/bytes_per_s + Σ_p flops_p/<p>_flops_per_s;
+    ``additive``: host + device (kernel_s folds into launch_s there); ``overlap``: max(host, device)."""
 
     launch_s: float
     bytes_per_s: float
     flops_per_s: dict[str, float]
     form: str = "overlap"
+    kernel_s: float = 0.0
 
     def seconds(self, counts: StepCounts) -> float:
         host = counts.launches * self.launch_s
-        device = counts.bytes / self.bytes_per_s + sum(counts.flops.get(p, 0.0) / self.flops_per_s[p]
-                                                       for p in PRECISIONS)
+        device = counts.launches * self.kernel_s + counts.bytes / self.bytes_per_s + sum(
+            counts.flops.get(p, 0.0) / self.flops_per_s[p] for p in PRECISIONS)
         return host + device if self.form == "additive" else max(host, device)
 
     def constants(self) -> dict[str, float]:
-        return {"launch_s": self.launch_s, "bytes_per_s": self.bytes_per_s,
+        return {"launch_s": self.launch_s, "kernel_s": self.kernel_s, "bytes_per_s": self.bytes_per_s,
                 **{f"{p}_flops_per_s": self.flops_per_s[p] for p in PRECISIONS}}
 
     @classmethod
     def of(cls, log_constants: np.ndarray, form: str) -> GpuModel:
         values = np.exp(log_constants)
-        return cls(float(values[0]), float(1 / values[1]), {p: float(1 / v) for p, v in zip(PRECISIONS, values[2:])},
-                   form)
+        return cls(float(values[0]), float(1 / values[2]), {p: float(1 / v) for p, v in zip(PRECISIONS, values[3:])},
+                   form, float(values[1]))
 
 
+# the H200's dense matrix throughput (NVIDIA's data sheet: bf16 989, TF32 495, FP32 67 TFLOP/s) × 0.6, what a
+# well-shaped GEMM reaches: the value a fit keeps where its table cannot determine a precision's throughput
+NOMINAL_H200 = {"bf16": 0.6 * 989e12, "tf32": 0.6 * 495e12, "fp32": 0.6 * 67e12}
 # where the fit starts: an eager PyTorch launch ≈ 10 µs of host time, an H100/H200's HBM ≈ 3 TB/s in practice, its
 # dense bf16 ≈ 400 TFLOP/s, TF32 ≈ 200, IEEE float32 ≈ 50 (achieved, well under the data sheets' peaks)
-START = np.log([1e-5, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
+START = np.log([1e-5, 3e-6, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
+
+
+# the model fitted to the H200 table (results/benchmarks/step_cost_cuda_h200.md: ViT-S, 256 tokens, batch 256, bf16,
+# eager, torch 2.11, 2026-11-27) by `python benchmarks/step_cost.py --count` (results/benchmarks/step_model_h200.md:
+# 22 rows; leave-one-out error median 12%); bf16 and TF32 throughputs at NOMINAL_H200 (the table cannot tell them)
+FITTED = {"h200": GpuModel(launch_s=2.34e-5, bytes_per_s=1.696e12,
+                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.34e13},
+                           form="overlap", kernel_s=7.785e-6)}
 
 
 def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
@@ -252,9 +266,11 @@ def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
 
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    fixed = fixed or {}
-    names = ["launch_s", "bytes_per_s", *(f"{p}_flops_per_s" for p in PRECISIONS)]
-    known = {i: math.log(fixed[n] if n == "launch_s" else 1 / fixed[n]) for i, n in enumerate(names) if n in fixed}
+    fixed = dict(fixed or {})
+    if form == "additive":
+        fixed["kernel_s"] = 1e-12  # one time per launch: launch_s carries it
+    names = list(CONSTANTS)
+    known = {i: math.log(fixed[n] if n in TIMES else 1 / fixed[n]) for i, n in enumerate(names) if n in fixed}
     free = [i for i in range(len(names)) if i not in known]
     measured = np.asarray(seconds, dtype=float)
 
@@ -284,5 +300,5 @@ def leave_one_out(counts: list[StepCounts], seconds: list[float], form: str = "o
     return errors
 
 
-__all__ = ["CONSTANTS", "FORMS", "GpuModel", "KernelCounter", "StepCounts", "count", "cuda_path", "extrapolate",
-           "fit", "leave_one_out", "matmul_precision", "matrix_flops"]
+__all__ = ["CONSTANTS", "FITTED", "FORMS", "NOMINAL_H200", "GpuModel", "KernelCounter", "StepCounts", "count",
+           "cuda_path", "extrapolate", "fit", "leave_one_out", "matmul_precision", "matrix_flops"]
