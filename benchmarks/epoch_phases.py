@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -95,7 +96,8 @@ def main() -> None:
     accelerator = "gpu" if device.type == "cuda" else "cpu"
     cli_args = ["--config", args.config, "--trainer.max_epochs", str(args.epochs), "--trainer.accelerator",
                 accelerator, "--trainer.devices", "1", "--trainer.enable_progress_bar", "false",
-                "--trainer.logger", "false", "--timing.enabled", "true", *extra]
+                "--trainer.logger", "false", "--trainer.default_root_dir", tempfile.mkdtemp(prefix="epoch_phases_"),
+                "--timing.enabled", "true", *extra]  # its config.yaml and checkpoints go to a scratch folder
     cli = StabilityCLI(cli_args, run=False)
     cli.trainer.callbacks.insert(0, clock)
     clock.setup(cli.trainer, cli.model, "fit")  # before Lightning calls any hook: every later one is timed

@@ -15,15 +15,15 @@ from stability.testing.gpu_model import FITTED, count, cuda_path
 OPTIONS = dict(embed_dim=16, depth=1, num_heads=2)
 
 
-def fit(tmp_path, stabilizer="none", epochs=2):
+def fit(tmp_path, stabilizer="none", epochs=2, enabled=True):
     L.seed_everything(0)
-    module = ImageClassifier(image_size=8, backbone_options=OPTIONS, stabilizer=stabilizer)
-    meter = CostMeter()
+    module = ImageClassifier(image_size=8, backbone_options={**OPTIONS, "drop_rate": 0.1}, stabilizer=stabilizer)
+    meter = CostMeter(enabled=enabled)
     logger = L.pytorch.loggers.TensorBoardLogger(str(tmp_path), name="", version="")
     trainer = L.Trainer(max_epochs=epochs, limit_train_batches=4, limit_val_batches=2, logger=logger,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[meter], log_every_n_steps=1)
-    data = Digits(batch_size=32)
+    data = Digits(batch_size=32, random_crop=1)
     trainer.fit(module, data)
     return module, meter, data
 
@@ -44,7 +44,7 @@ CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _at
 def reference_step_flops(stabilizer="none") -> float:
     """torch's FlopCounterMode on the second step of the same module and batch (an independent count)."""
     L.seed_everything(0)
-    module = ImageClassifier(image_size=8, backbone_options=OPTIONS, stabilizer=stabilizer)
+    module = ImageClassifier(image_size=8, backbone_options={**OPTIONS, "drop_rate": 0.1}, stabilizer=stabilizer)
     data = Digits(batch_size=32)
     data.setup()
     images, labels = next(iter(data.train_dataloader()))
@@ -79,7 +79,7 @@ def test_the_gpu_prediction_is_the_models_on_the_gpu_path(tmp_path, scalars):
     module, meter, data = fit(tmp_path, epochs=1)
     images, labels = next(iter(data.train_dataloader()))
     L.seed_everything(0)
-    copy = ImageClassifier(image_size=8, backbone_options=OPTIONS)
+    copy = ImageClassifier(image_size=8, backbone_options={**OPTIONS, "drop_rate": 0.1})
     with cuda_path(copy):
         optimizer = copy.build_optimizer()
 
@@ -94,6 +94,16 @@ def test_the_gpu_prediction_is_the_models_on_the_gpu_path(tmp_path, scalars):
     assert on_gpu.ops["_fused_adamw_"] == len(optimizer.param_groups)  # one launch a group: decay and no decay
     assert meter.gpu_step_s == pytest.approx(FITTED["h200"].seconds(on_gpu), rel=0.02)  # same step, same counts
     assert scalars(tmp_path, tags.COST_GPU_TRAIN_S) == pytest.approx([4 * meter.gpu_step_s])
+
+
+def test_counting_leaves_the_training_as_it_was(tmp_path):
+    """The count steps a copy of the model mid-epoch (random crops and dropout drawn from the global streams): the
+    weights after two epochs equal those of the same run without the count, bit for bit."""
+    counted, _, _ = fit(tmp_path / "counted")
+    plain, meter, _ = fit(tmp_path / "plain", enabled=False)
+    assert meter.step_flops is None
+    for (name, a), (_, b) in zip(counted.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), name
 
 
 def test_a_bad_gpu_model_is_refused_by_name():

@@ -3,7 +3,6 @@ Jacobian norm; the certified bound of the whole network (stem × blocks × head,
 Jacobian norm, whole and per class pair, and a bound that drops a factor fails where the network attains its bound;
 the tokens' size bound holds on the pixel box; the training bound matches the certified one; bad options are refused
 by name."""
-import math
 
 import pytest
 import torch
@@ -198,10 +197,18 @@ def test_the_paper_bound_and_a_patch_size_are_refused_with_the_reason():
 
 
 def test_the_hybrid_certifies_through_the_float64_path():
-    """The monitors' float64 copy of the certified hybrid has the certified bound, composed of the three factors."""
-    net = hybrid()
-    bound, _ = certified_bound(net)
-    stem = float(net.backbone.patch_embed.lipschitz())
-    _, blocks_and_stem = transformer_bounds.pixel_bound(net)
-    assert bound.features == pytest.approx(float(blocks_and_stem), rel=1e-15)
-    assert bound.features >= stem / float(net.std) * math.prod(1 - w.a for w in net.backbone.blocks) ** 2 * (1 - 1e-12)
+    """The monitors certify on a float64 copy of the trained network (exact_certificate): for the hybrid with GloRo
+    that copy is float64, its bound is the bound of the network, and it is never below the copy's exact Jacobian
+    norm at a point of the box."""
+    from stability.callbacks.bounds import exact_certificate
+
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone="hybrid", image_size=8, stabilizer=["lipschitz_transformer", "muon", "gloro"],
+                             stabilizer_options={"lipschitz_transformer": {"attention": "l2_unit",
+                                                                           "pooling": "flatten", "zero_init": False}})
+    bound, reason, exact = exact_certificate(module.stabilizers, module.network)
+    assert bound is not None and exact is not None, reason
+    assert next(exact.parameters()).dtype == torch.float64
+    assert bound.value == pytest.approx(certified_bound(module.network.double())[0].value, rel=1e-9)
+    x = torch.rand(1, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    assert float(torch.linalg.matrix_norm(jacobian(exact, x).detach(), ord=2)) <= bound.value

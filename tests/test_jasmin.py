@@ -133,6 +133,7 @@ def test_row_statistics_blocks_fill_their_budget_and_multiply_fp32_values_in_iee
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "topk", topk)
+    previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # training on a GPU
     try:
         gen = torch.Generator().manual_seed(0)
@@ -140,8 +141,19 @@ def test_row_statistics_blocks_fill_their_budget_and_multiply_fp32_values_in_iee
         row_statistics(x.bfloat16(), x.bfloat16(), 0.5, 3)
         row_statistics(x, x, 0.5, 3)
     finally:
-        torch.set_float32_matmul_precision("highest")
+        torch.set_float32_matmul_precision(previous)
     assert seen == ["high", "highest"]
+
+
+@pytest.mark.parametrize("scale", [0.25, 1 / 32 ** 0.5])  # a power of two (q scaled first) and one that is not
+def test_the_streamed_top_probabilities_of_bf16_values_equal_float64s(scale):
+    """bf16 queries and keys: the streamed float32 statistics equal float64's of the same values to float32
+    rounding (1e-5 relative: a logit of size |s| rounds by |s|·2⁻²⁴ in float32, and exp(s − LSE) carries it), whatever
+    the scale (a scale that is not a power of two is applied to the products, not to q)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k = ((3 * torch.randn(2, 3, 40, 32, generator=gen)).bfloat16() for _ in range(2))
+    reference = top_probabilities(torch.softmax(scale * q.double() @ k.double().mT, dim=-1), 6)
+    torch.testing.assert_close(top_probabilities_streamed(q, k, scale, 6).double(), reference, rtol=1e-5, atol=1e-9)
 
 
 def test_the_bf16_gradient_is_within_bf16_rounding_and_a_dropped_term_is_not(monkeypatch):

@@ -50,7 +50,8 @@ class AOLStem(nn.Module):
         self.layers = nn.Sequential(*layers)
         self.img_size, self.grid_size = (side, side), (size, size)
         self.num_patches = size * size
-        self.patch_size = (side // size, side // size)  # the stem's overall stride, for timm's bookkeeping
+        stride = 2 ** sum(1 for spec in convs if int(spec[2]) == 2)
+        self.patch_size = (stride, stride)  # the stem's overall stride, for timm's bookkeeping
         for module in self.layers.modules():
             if isinstance(module, AOLConv2d):
                 isometric_init_(module)

@@ -31,13 +31,14 @@ that are float32 values (an fp32 run) are multiplied in IEEE float32, TF32 off. 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 
 from .precision import ieee_float32
 
-BLOCK_BYTES = 512 * 2 ** 20  # float32 logits per block (the backward holds two such blocks at once)
+BLOCK_BYTES = 512 * 2 ** 20  # float32 logits per block (one held at a time, forward and backward)
 EXACT_IN_TF32 = (torch.bfloat16, torch.float16)  # inputs whose products TF32 computes exactly
 
 def _products(device_type: str, exact_in_tf32: bool):
@@ -66,11 +67,14 @@ class _RowStatistics(torch.autograd.Function):
         top = q.new_empty(*q.shape[:-1], count)
         index = torch.empty(*q.shape[:-1], count, dtype=torch.long, device=q.device)
         keys_t = k.transpose(-1, -2)
+        exact_scale = math.frexp(scale)[0] == 0.5  # a power of two: q·scale is exact (bf16 values stay bf16 values)
         with _products(q.device.type, low is not None):
-            scaled = q * scale  # once, on (…, N, d), instead of on every (…, rows, M) block
+            scaled = q * scale if exact_scale else q  # once, on (…, N, d), instead of on every (…, rows, M) block
             for start in range(0, n_rows, block):
                 stop = min(start + block, n_rows)
                 logits = scaled[..., start:stop, :] @ keys_t
+                if not exact_scale:
+                    logits.mul_(scale)
                 lse[..., start:stop] = logits.logsumexp(-1)
                 values, indices = logits.topk(count, dim=-1)
                 top[..., start:stop, :] = values
@@ -87,7 +91,7 @@ class _RowStatistics(torch.autograd.Function):
         grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
         if grad_lse is not None:  # ∂LSE_i/∂s_im = p_im: a fused attention kernel's forward and backward (module doc)
             dtype = low or q.dtype  # bf16 values back in bf16 (exactly): the kernel's fast path
-            with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+            with torch.enable_grad(), _products(q.device.type, low is not None):
                 values = k.detach().to(dtype).requires_grad_(True)
                 attended = F.scaled_dot_product_attention(q.detach().to(dtype), k.detach().to(dtype), values,
                                                           scale=scale)  # P·K
