@@ -240,8 +240,9 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
                as_measured: dict[str, StepCounts] | None = None) -> tuple[list, str]:
     """The table of counts, measured and predicted times and ratios, and a paragraph on the fit. The model is fitted
     to ``as_measured`` (the counts of the code the GPU table measured) where given, else to ``counts``."""
+    rows_of_fit = labels if as_measured is None else list(as_measured)  # every row the GPU table has counts for
     as_measured = as_measured or counts
-    fitted = [label for label in labels if label in measured and label not in NOT_MODELLED and label in as_measured]
+    fitted = [label for label in rows_of_fit if label in measured and label not in NOT_MODELLED]
     data = [as_measured[label] for label in fitted]
     seconds = [measured[label] / 1000 for label in fitted]
     # a precision's throughput is fitted only where its FLOPs differ between rows by ≥ 5% of a step's: otherwise the
