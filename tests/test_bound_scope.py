@@ -9,7 +9,7 @@ import torch
 
 from stability.classifier import ImageClassifier
 from stability.lipschitz.certified import certified_bound
-from stability.lipschitz.transformer_bounds import _largest_patch, _parts, _token_size, exact_sigma
+from stability.lipschitz.transformer_bounds import _largest_patch, _parts, _size_vector, _token_size, exact_sigma
 
 TINY = dict(embed_dim=16, depth=1, num_heads=2)
 
@@ -36,8 +36,9 @@ def test_the_token_size_bounds_every_token_the_network_embeds(options):
                 rows[0] = scale
                 t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * rows)
     _, embed, _ = _parts(network)
-    claimed = _token_size(backbone, exact_sigma(embed.weight.reshape(embed.weight.shape[0], -1)), embed,
-                          _largest_patch(network, backbone), False, lambda t: t.norm(dim=-1))
+    spread = exact_sigma(embed.weight.reshape(embed.weight.shape[0], -1)) * _largest_patch(network, backbone)
+    centre = _size_vector(embed.bias, embed.weight.shape[0], False, spread)  # the tokens of a zero patch
+    claimed = _token_size(backbone, spread, centre, False, lambda t: t.norm(dim=-1))
     images = torch.rand(64, 1, 8, 8, generator=gen, dtype=torch.float64).round()  # corners of the box, mostly
     with torch.no_grad():
         tokens = backbone._pos_embed(backbone.patch_embed((images - network.mean) / network.std))

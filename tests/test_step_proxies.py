@@ -2,10 +2,13 @@
 (B, h, N, N) attention map where a method keeps attention on a fused kernel, and the bytes saved for backward against
 the plain step's, under bf16 autocast as ``--trainer.precision bf16-mixed`` trains. A ViT-S-shaped block (head width
 32, MLP ratio 4) at 64 tokens, batch 2."""
+import functools
+
 import pytest
 import torch
 
 from stability.classifier import ImageClassifier
+from stability.nn import row_statistics
 from stability.testing.profiling import attention_maps, dispatched, saved_for_backward
 
 VIT = dict(embed_dim=96, depth=2, num_heads=3, mlp_ratio=4.0, patch_size=4)
@@ -36,9 +39,12 @@ STREAMED = {"jasmin": {"lam": 1e-2, "k": 10, "row_statistics": "streamed"}}
 
 
 @pytest.mark.parametrize("stabilizer", ["none", "qk_norm", "lipsformer", "jasmin"])
-def test_no_attention_map_is_made_where_attention_stays_fused(stabilizer):
+def test_no_attention_map_is_made_where_attention_stays_fused(stabilizer, monkeypatch):
     """qk_norm and LipsFormer's cosine attention are SDPA with normalised inputs; JaSMin's streamed row statistics
-    recompute the logits a block of rows at a time: none of them holds a (B, h, N, N) map."""
+    recompute the logits a block of rows at a time: none of them holds a (B, h, N, N) map. The blocks are sized by a
+    memory budget (512 MiB: the whole map at this size), so the budget here holds 16 of the 65 rows."""
+    small = 4 * TOKENS * 2 * VIT["num_heads"] * 16  # float32 logits of 16 rows, batch 2
+    monkeypatch.setattr(row_statistics, "block_rows", functools.partial(row_statistics.block_rows, budget=small))
     options = {stabilizer: STREAMED[stabilizer]} if stabilizer in STREAMED else None
     assert not attention_maps(step_of(stabilizer, options), TOKENS)
 
