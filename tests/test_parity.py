@@ -7,6 +7,7 @@ import torch
 from test_gpu_readiness import at_a_generic_point, batch, build, compare_sides
 
 from stability.models import attention_sites
+from stability.optim_muon import ShapeBatchedMuon
 from stability.robustness import pgd as pgd_module
 from stability.testing import parity
 
@@ -24,14 +25,14 @@ def test_the_unplanted_muon_comparison_passes_with_newton_schulz_in_float32():
 
 
 def test_a_skipped_muon_step_fails(monkeypatch):
-    original = torch.optim.Muon.step
+    original = ShapeBatchedMuon.step
 
     def step(self, closure=None):
         if self.param_groups[0]["params"][0].dtype == OTHER:
             return None  # the planted error: no update
         return original(self, closure)
 
-    monkeypatch.setattr(torch.optim.Muon, "step", step)
+    monkeypatch.setattr(ShapeBatchedMuon, "step", step)
     differences = compare_sides("lipschitz_transformer,muon", "vit", "cpu", OTHER)
     assert failing(differences, "after the step"), parity.describe(differences)
 
@@ -50,7 +51,7 @@ def test_a_wrong_orthogonalisation_fails(monkeypatch):
 
 def test_an_update_beyond_its_a_priori_size_fails(monkeypatch):
     """The other side's Muon steps with ten times its learning rate."""
-    original = torch.optim.Muon.step
+    original = ShapeBatchedMuon.step
 
     def step(self, closure=None):
         if self.param_groups[0]["params"][0].dtype != OTHER:
@@ -64,7 +65,7 @@ def test_an_update_beyond_its_a_priori_size_fails(monkeypatch):
             for group, lr in zip(self.param_groups, rates):
                 group["lr"] = lr
 
-    monkeypatch.setattr(torch.optim.Muon, "step", step)
+    monkeypatch.setattr(ShapeBatchedMuon, "step", step)
     differences = compare_sides("muon", "vit", "cpu", OTHER)
     assert failing(differences, "update size (other)"), parity.describe(differences)
 

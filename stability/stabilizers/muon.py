@@ -1,7 +1,8 @@
 """Muon with weight constraints (Newhouse et al. 2025, "Training Transformers with Enforced Lipschitz
 Constants"; docs/methods.md#muon-and-weight-constraints), on any backbone.
 
-Optimizer: ``torch.optim.Muon`` for the constrained matrices, its learning rate scaled by
+Optimizer: ``torch.optim.Muon``'s update for the constrained matrices (:class:`~stability.optim_muon.ShapeBatchedMuon`:
+the same update, the matrices of one shape orthogonalised in one batch), its learning rate scaled by
 sqrt(fan_out/fan_in) (:func:`muon_shape_factor`) so that an update has RMS→RMS norm ≈ lr,
 times a per-role factor ``update_scales`` (the reference's mass allocation, e.g. Q/K/V 0.889, W_O
 and MLP 0.296, embedding and head 0.056 at blocks mass 16); AdamW (the module's ``lr``,
@@ -46,6 +47,7 @@ from ..nn.precision import accumulation_dtype, float32_math
 from ..nn.spectral import SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
 from ..optim import LR_SHAPE_FACTOR, nominal_lr
 from ..optim_combined import CombinedOptimizer
+from ..optim_muon import ShapeBatchedMuon
 from .base import Stabilizer, register_stabilizer
 
 NS_COEFFICIENTS = constraints.JORDAN_QUINTIC  # torch.optim.Muon's defaults (Keller Jordan's quintic)
@@ -247,7 +249,7 @@ class MuonConstrained(Stabilizer):
         param_groups = [{"params": [p for _, p in members], "lr": self.lr * scale * factor, LR_SHAPE_FACTOR: factor}
                         for scale, factor, members in self._grouping(network)]
         if self.optimizer == "muon":
-            self._muon = torch.optim.Muon(param_groups, lr=self.lr, weight_decay=0.0, momentum=self.momentum,
+            self._muon = ShapeBatchedMuon(param_groups, lr=self.lr, weight_decay=0.0, momentum=self.momentum,
                                           nesterov=self.nesterov, ns_steps=self.ns_steps, adjust_lr_fn="original")
         else:
             self._muon = torch.optim.AdamW(param_groups, lr=self.lr, weight_decay=0.0)

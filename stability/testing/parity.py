@@ -130,13 +130,17 @@ def float32_newton_schulz() -> Iterator[None]:
     across devices: module docstring)."""
     from torch.optim import _muon
 
-    original = _muon._zeropower_via_newtonschulz
+    from .. import optim_muon
+
+    original, batched = _muon._zeropower_via_newtonschulz, optim_muon.orthogonalise
     _muon._zeropower_via_newtonschulz = lambda grad, coefficients, steps, eps: newton_schulz(
         grad, coefficients, steps, eps)
+    optim_muon.orthogonalise = lambda stack, coefficients, steps, eps: torch.stack(
+        [newton_schulz(m, coefficients, steps, eps) for m in stack])
     try:
         yield
     finally:
-        _muon._zeropower_via_newtonschulz = original
+        _muon._zeropower_via_newtonschulz, optim_muon.orthogonalise = original, batched
 
 
 def step_bounds(module) -> dict[int, float]:
