@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shlex
 import shutil
@@ -55,6 +56,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from stability.sweep.runner import child_environment  # noqa: E402
+
 SECTIONS = ("tests", "runs", "compare", "benchmarks", "ddp")
 COMPOSITIONS = ["lipsformer,jasmin", "lipschitz_transformer,muon", "lipschitz_transformer,muon,lipschitz_margin"]
 BACKBONES = ("vit", "swin", "cswin")  # each at its micro preset, on 16 × 16 digits
@@ -92,7 +96,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default results/benchmarks/gpu_check_<device>.md")
     parser.add_argument("--cpu_dry_run", action="store_true",
                         help="run the sections on the CPU against itself: tests this script without a GPU, proves "
-                             "nothing about one")
+                             "nothing about one (its fits: 8 training batches an epoch, in float32)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): nothing to check")
@@ -101,7 +105,6 @@ def main() -> None:
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         raise SystemExit(f"gpu_check: unknown section(s) {unknown}; choose from {SECTIONS}")
-    sys.path.insert(0, str(ROOT))
     global DEVICE, SELECTED, QUICK, REPORT
     DEVICE = "cpu" if args.cpu_dry_run else "cuda"
     QUICK = args.quick
@@ -233,14 +236,16 @@ def fit_command(stabilizer: str, backbone: str, run_dir: Path) -> list[str]:
     attacks = "[fgsm, pgd, autoattack]" if not QUICK or stabilizer in QUICK_AUTOATTACK else "[fgsm, pgd]"
     command = [sys.executable, "-m", "stability", "fit", "--stabilizer", stabilizer, "--model.backbone", backbone,
                "--data.image_size", "16", "--trainer.max_epochs", str(SIZES["epochs"]),
-               "--trainer.precision", "bf16-mixed", "--trainer.accelerator", accelerator, "--trainer.devices", "1",
+               "--trainer.precision", "bf16-mixed" if DEVICE == "cuda" else "32-true",  # a CPU's bf16 is slow
+               "--trainer.accelerator", accelerator, "--trainer.devices", "1",
                "--trainer.enable_progress_bar", "false", "--timing.enabled", "true",
                "--run_dir", str(run_dir), "--test_after_fit", "true",
                "--robustness.test_attacks", attacks,
                "--robustness.attack_num_points", str(SIZES["attack_points"]),
                "--robustness.autoattack_num_points", str(SIZES["autoattack_points"])]
-    return command + (QUICK_MEASUREMENTS if QUICK else ["--lipschitz.test_num_points", "128",
-                                                        "--lipschitz.attention_points", "8"])
+    dry_run = ["--trainer.limit_train_batches", "8", "--trainer.limit_val_batches", "2"] if DEVICE == "cpu" else []
+    return command + dry_run + (QUICK_MEASUREMENTS if QUICK else ["--lipschitz.test_num_points", "128",
+                                                                  "--lipschitz.attention_points", "8"])
 
 
 MEASUREMENT_START = re.compile(r"^(\w[\w ]*) \((fit|test)\): (.+) on \d+ points …$")
@@ -279,12 +284,13 @@ class Phases:
         return {phase: seconds for phase, seconds in self.seconds.items() if phase}
 
 
-def run_fit(command: list[str], timeout: float | None) -> tuple[int | None, str, Phases]:
+def run_fit(command: list[str], timeout: float | None, workers: int = 1) -> tuple[int | None, str, Phases]:
     """Run one fit, reading its log as it comes: (exit status or None when cut at ``timeout``, the log's last lines,
-    its phases)."""
+    its phases). With ``workers`` fits at once each gets its share of the CPU cores, as a sweep's runs do."""
     phases = Phases()
+    env = child_environment(dict(os.environ), None, workers)
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               bufsize=1)
+                               bufsize=1, env=env)
     killed = threading.Event()
 
     def kill() -> None:
@@ -322,7 +328,7 @@ def run_fits(workers: int, deadline: float | None) -> dict:
         if left is not None and left < 1:
             return {"stabilizers": stabilizer, "backbone": backbone, "seconds": 0.0, "exit": None, "passed": None,
                     "phases": {}, "problems": ["not started: the section's budget was spent"]}
-        exit_code, tail, phases = run_fit(fit_command(stabilizer, backbone, run_dir), left)
+        exit_code, tail, phases = run_fit(fit_command(stabilizer, backbone, run_dir), left, workers)
         seconds = time.time() - started
         if exit_code is None:
             current = phases.current

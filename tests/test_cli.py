@@ -20,7 +20,7 @@ def console_script() -> list[str]:
 
 def test_fit_through_the_console_script_learns_and_logs_to_tensorboard(tmp_path, scalars, quick_args):
     cmd = console_script() + ["fit", *quick_args, "--trainer.max_epochs", "4", "--data.batch_size", "16",
-                              "--model.scheduler", "constant", "--model.lr", "3e-3"]
+                              "--model.scheduler", "constant", "--model.lr", "3e-3", "--lipschitz.num_points", "16"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "digits" / "vit" / "none" / "version_0"
