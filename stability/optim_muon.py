@@ -6,7 +6,9 @@ matrix, 1,700 a step on ViT-S, where the model's own step is under 700. :class:`
 update with every matrix of one shape stacked: the momentum as one ``_foreach`` operation per parameter group, each
 Newton–Schulz product as one batched product per shape (``bmm``/``baddbmm``), the decay and the update one ``_foreach``
 operation per group and learning rate. Its state (``momentum_buffer`` per matrix), parameter groups and options are
-torch.optim.Muon's, so checkpoints move between the two.
+torch.optim.Muon's, so checkpoints move between the two. (One difference: with bfloat16 weights and no Nesterov,
+torch's Newton–Schulz divides the momentum buffer itself in place — ``grad.bfloat16()`` is the buffer — where this
+class leaves the buffer as its momentum update made it.)
 
 The Newton–Schulz iteration is torch's (Keller Jordan's quintic on X/‖X‖_F, on the wide side, in bfloat16):
 X ← aX + (bA + cA²)X with A = XXᵀ. Batched products add the same terms in bfloat16 as the single ones, so on one
@@ -54,8 +56,8 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
 class ShapeBatchedMuon(torch.optim.Muon):
     """torch.optim.Muon (same arguments, state and update), its matrices of one shape orthogonalised as one batch."""
 
-    def __init__(self, params, **options) -> None:
-        super().__init__(params, **options)
+    def __init__(self, params, *args, **options) -> None:
+        super().__init__(params, *args, **options)
         for group in self.param_groups:
             adjusted_lr(1.0, group["adjust_lr_fn"], (1, 1))  # an adjustment this class lacks: refused at once
 
@@ -79,7 +81,12 @@ class ShapeBatchedMuon(torch.optim.Muon):
         for (group, params, _), updates in zip(stepped, orthogonal):
             lr = float(group["lr"])
             if group["weight_decay"]:
-                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+                decay = 1 - lr * group["weight_decay"]
+                if all(p.dtype in (torch.float32, torch.float64) for p in params):
+                    torch._foreach_mul_(params, decay)
+                else:  # a foreach multiply rounds the factor to a bf16/fp16 weight's dtype; torch's mul_ does not
+                    for p in params:
+                        p.mul_(decay)
             by_rate: dict[float, list[int]] = {}
             for i, p in enumerate(params):
                 by_rate.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], p.shape), []).append(i)
@@ -99,7 +106,10 @@ class ShapeBatchedMuon(torch.optim.Muon):
         out = [[None] * len(updates) for _, _, updates in stepped]
         for (_, _, _, (coefficients, steps, eps)), members in batches.items():
             stack = torch.stack([stepped[g][2][i] for g, i in members])
-            for (g, i), matrix in zip(members, orthogonalise(stack, coefficients, steps, eps).unbind(0)):
+            # in the weights' dtype and layout (bf16 → float32 is exact; the update adds in float32 either way), so
+            # that the update's _foreach_add_ takes CUDA's fused path: it needs one dtype and one layout in its lists
+            orthogonal = orthogonalise(stack, coefficients, steps, eps).to(stack.dtype).contiguous()
+            for (g, i), matrix in zip(members, orthogonal.unbind(0)):
                 out[g][i] = matrix
         return out
 

@@ -20,7 +20,10 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _THREADS = max(1, min(2, torch.get_num_threads()) // _WORKERS)
 torch.set_num_threads(_THREADS)
-os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+if "PYTEST_XDIST_WORKER" in os.environ:  # a worker: its share, whatever the controller (which reads this too) set
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 QUICK = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 SMALL_VIT = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]

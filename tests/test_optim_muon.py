@@ -88,3 +88,30 @@ def test_a_steps_launches_do_not_grow_with_the_matrices_of_a_shape():
     theirs = launches(torch.optim.Muon, 12) - launches(torch.optim.Muon, 4)
     ours = launches(ShapeBatchedMuon, 12) - launches(ShapeBatchedMuon, 4)
     assert theirs >= 8 * 15 and ours <= 8 * 2, (theirs, ours)
+
+
+def test_the_updates_reach_the_weights_in_their_dtype_and_layout(monkeypatch):
+    """CUDA's fused _foreach_add_ needs one dtype and one layout across its lists (else it adds matrix by matrix):
+    the orthogonalised updates, tall matrices' included, come in the weights' dtype, contiguous."""
+    seen = []
+    original = torch._foreach_add_
+
+    def recording(params, updates, **kwargs):
+        seen.extend((p.dtype, u.dtype, u.is_contiguous(), p.shape == u.shape) for p, u in zip(params, updates))
+        return original(params, updates, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_add_", recording)
+    run(ShapeBatchedMuon, steps=2, adjust_lr_fn="original")
+    assert len(seen) == 2 * len(SHAPES) and all(p == u and contiguous and same for p, u, contiguous, same in seen)
+
+
+def test_decay_of_bf16_weights_is_torchs():
+    """A foreach multiply would round 1 − lr·λ to bf16 (0.998 → 0.996: twice the decay); torch's mul_ does not."""
+    def decayed(optimizer_class):
+        p = torch.nn.Parameter(torch.randn(32, 32, generator=torch.Generator().manual_seed(0)).bfloat16())
+        optimizer = optimizer_class([p], lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")
+        p.grad = torch.zeros_like(p)
+        optimizer.step()
+        return p.detach().float()
+
+    assert torch.equal(decayed(ShapeBatchedMuon), decayed(torch.optim.Muon))
