@@ -69,10 +69,16 @@ class ShapeBatchedMuon(torch.optim.Muon):
                 loss = closure()
         stepped = []  # (group, its matrices, their momentum-corrected updates)
         for group in self.param_groups:
-            params, grads, buffers = [], [], []
-            self._init_group(group, params, grads, buffers)
+            params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            if any(p.grad.is_sparse or torch.is_complex(p) for p in params):
+                raise RuntimeError("ShapeBatchedMuon: sparse gradients and complex parameters are not supported")
+            grads = [p.grad for p in params]
+            for p in params:  # torch.optim.Muon's state: a momentum buffer per matrix, zeros at first
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buffers = [self.state[p]["momentum_buffer"] for p in params]
             momentum = group["momentum"]
             torch._foreach_lerp_(buffers, grads, 1 - momentum)  # B ← μB + (1 − μ)g, as torch's buf.lerp_
             updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
