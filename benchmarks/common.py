@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from stability.classifier import ImageClassifier  # noqa: E402
 from stability.machine import describe  # noqa: E402
+from stability.testing.profiling import train_step  # noqa: E402
 
 
 def arguments(description: str) -> argparse.ArgumentParser:
@@ -56,21 +57,6 @@ def build_module(backbone: str, size: str, stabilizer: str, options: dict | None
                              lr=lr)
     module.to(device).train()
     return module, module.build_optimizer()
-
-
-def train_step(module: ImageClassifier, optimizer: torch.optim.Optimizer, images: torch.Tensor,
-               labels: torch.Tensor, precision: str = "fp32", step: int = 0) -> torch.Tensor:
-    """One training step as Lightning runs it: forward with the stabilizers' terms (under bf16 autocast for
-    ``precision="bf16"``, as ``--trainer.precision bf16-mixed``), backward, optimizer step, the stabilizers'
-    projections (``step``: the step's index). Returns the loss on the device (no host sync)."""
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-        _, terms = module.losses(images, labels)
-        loss = sum(term for name, term in terms.items() if name != "cross_entropy")
-    loss.backward()
-    optimizer.step()
-    module.after_optimizer_step(step)
-    return loss.detach()
 
 
 def digits(image_size: int, batch: int, device: torch.device):

@@ -17,6 +17,7 @@ cost.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import lightning as L
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from .. import tags
 from ..testing.gpu_model import FITTED, KernelCounter, StepCounts, count, cuda_path
+from ..testing.profiling import train_step
 
 
 def measured_groups(trainer) -> tuple[str, ...]:
@@ -116,16 +118,7 @@ class CostMeter(L.Callback):
             copy.train()
             with cuda_path(copy) if gpu_path else contextlib.nullcontext():
                 optimizer = copy.build_optimizer()
-
-                def step() -> None:
-                    optimizer.zero_grad(set_to_none=True)
-                    with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                        _, terms = copy.losses(images, labels)
-                        loss = sum(term for name, term in terms.items() if name != "cross_entropy")
-                    loss.backward()
-                    optimizer.step()
-                    copy.after_optimizer_step(1)
-
+                step = functools.partial(train_step, copy, optimizer, images, labels, precision, 1)
                 step()  # the optimizer's state exists after it
                 return count(step)
 

@@ -68,4 +68,21 @@ def dispatched(step: Callable[[], Any]) -> collections.Counter:
     return recorder.ops
 
 
-__all__ = ["attention_maps", "dispatched", "saved_for_backward"]
+def train_step(module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
+               precision: str = "fp32", step: int = 0) -> torch.Tensor:
+    """One training step as Lightning runs it: forward with the stabilizers' terms (under bf16 autocast for
+    ``precision="bf16"``, as ``--trainer.precision bf16-mixed``), backward, optimizer step, the stabilizers'
+    projections (``step``: the step's index). Returns the loss on the device (no host sync)."""
+    from ..classifier import CROSS_ENTROPY
+
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        _, terms = module.losses(images, labels)
+        loss = sum(term for name, term in terms.items() if name != CROSS_ENTROPY)
+    loss.backward()
+    optimizer.step()
+    module.after_optimizer_step(step)
+    return loss.detach()
+
+
+__all__ = ["attention_maps", "dispatched", "saved_for_backward", "train_step"]
