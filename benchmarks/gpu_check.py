@@ -400,33 +400,58 @@ def training_losses(run_dir: Path) -> list[float]:
 COMPARE_POINTS, COMPARE_POINTS_QUICK = 32, 8  # images per case (the CPU reference dominates the case's time)
 def compare_with_cpu(deadline: float | None) -> dict:
     """stability/testing/parity.py on every case: the reference on the CPU against a copy on the device, float32, TF32
-    off."""
-    from stability.classifier import ImageClassifier
-    from stability.models import without_dropout
-    from stability.testing import parity
-
+    off. Each case runs in a thread that the section stops waiting for at its deadline: a case cut there is
+    reported with the phase it was in (the thread is left to finish on its own; the script does not wait for it)."""
     rows: list[dict] = []
     for stabilizer, backbone in cases():
         if remaining(deadline) == 0:
             rows.append({"stabilizers": stabilizer, "backbone": backbone, "passed": None, "keys": 0,
                          "worst": "not run: the section's budget was spent"})
             continue
+        case: dict = {"phase": "building the model"}
+        worker = threading.Thread(target=_compare_case, args=(stabilizer, backbone, case), daemon=True)
+        worker.start()
+        worker.join(remaining(deadline))
+        if worker.is_alive():
+            rows.append({"stabilizers": stabilizer, "backbone": backbone, "passed": None, "keys": 0,
+                         "worst": f"cut at the section's budget during {case['phase']}",
+                         "seconds": round(time.time() - case.get("started", time.time()), 1)})
+            progress("compare", rows=rows)
+            continue  # every later case: "not run"
+        if "error" in case:
+            raise case["error"]
+        rows.append(case["row"])
+        progress("compare", rows=rows)
+    return summarise(rows)
+
+
+def _compare_case(stabilizer: str, backbone: str, case: dict) -> None:
+    """One parity case; its phase, row or exception go into ``case``."""
+    try:
+        from stability.classifier import ImageClassifier
+        from stability.models import without_dropout
+        from stability.testing import parity
+
+        case["started"] = time.time()
         torch.manual_seed(0)
         cpu = without_dropout(ImageClassifier(backbone=backbone, image_size=16, stabilizer=stabilizer).train())
         gen = torch.Generator().manual_seed(1)
         points = COMPARE_POINTS_QUICK if QUICK else COMPARE_POINTS
         images, labels = torch.rand(points, 1, 16, 16, generator=gen), torch.randint(0, 10, (points,), generator=gen)
-        started = time.time()
+        case["phase"] = "the training step (CPU reference, then the device)"
         differences, other = parity.compare_training_step(cpu, images, labels, DEVICE)
-        differences += parity.compare_measurements(parity.measurements(cpu, images, labels),
-                                                   parity.measurements(other, images.to(DEVICE), labels.to(DEVICE)))
+        case["phase"] = "the measurements on the CPU"
+        reference = parity.measurements(cpu, images, labels)
+        case["phase"] = "the measurements on the device"
+        differences += parity.compare_measurements(reference, parity.measurements(other, images.to(DEVICE),
+                                                                                  labels.to(DEVICE)))
         bad = parity.failures(differences)
         worst = max(differences, key=lambda d: d.difference / max(d.tolerance, 1e-300))
-        rows.append({"stabilizers": stabilizer, "backbone": backbone, "passed": not bad, "keys": len(differences),
-                     "worst": str(worst), "failures": [str(d) for d in bad[:10]],
-                     "seconds": round(time.time() - started, 1)})
-        progress("compare", rows=rows)
-    return summarise(rows)
+        case["row"] = {"stabilizers": stabilizer, "backbone": backbone, "passed": not bad, "keys": len(differences),
+                       "worst": str(worst), "failures": [str(d) for d in bad[:10]],
+                       "seconds": round(time.time() - case["started"], 1)}
+    except BaseException as error:  # raised again in the section's thread
+        case["error"] = error
 
 
 # -------------------------------------------------------------------------------------------- benchmarks

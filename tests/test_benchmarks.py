@@ -117,6 +117,43 @@ def test_gpu_check_reads_a_fits_phases_from_its_log(monkeypatch):
                               "test: evaluation between measurements": 5.0, "robustness (test): pgd_L2_0.5": 5.0}
 
 
+def test_gpu_checks_comparison_stops_at_its_deadline_and_names_the_phase(monkeypatch):
+    """A comparison case still running at the section's deadline is reported cut, with the phase it was in, and the
+    section returns then (on the H200 a case outran the section's budget and the section never said so); a case's
+    exception reaches the section."""
+    import threading
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    release = threading.Event()
+
+    def slow_case(stabilizer, backbone, case):
+        case["started"] = gpu_check.time.time()
+        case["phase"] = "the measurements on the CPU"
+        release.wait(30)
+
+    monkeypatch.setattr(gpu_check, "_compare_case", slow_case)
+    monkeypatch.setattr(gpu_check, "cases", lambda: [("none", "vit"), ("qk_norm", "vit")])
+    monkeypatch.setattr(gpu_check, "progress", lambda section, **fields: None)
+    started = gpu_check.time.time()
+    result = gpu_check.compare_with_cpu(started + 0.5)
+    release.set()
+    assert gpu_check.time.time() - started < 5
+    first, second = result["rows"]
+    assert first["passed"] is None
+    assert first["worst"] == "cut at the section's budget during the measurements on the CPU"
+    assert second["passed"] is None and second["worst"].startswith("not run")
+    assert result["cut"] and result["passed"]
+
+    def failing_case(stabilizer, backbone, case):
+        case["error"] = ValueError("planted")
+
+    monkeypatch.setattr(gpu_check, "_compare_case", failing_case)
+    with pytest.raises(ValueError, match="planted"):
+        gpu_check.compare_with_cpu(None)
+
+
 def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     """The script's own logic (a fit and its checks, the GPU-vs-CPU comparison, the report, sections run in separate
     calls and kept), run on the CPU against itself: it proves nothing about a GPU, but a GPU session finds no bug of

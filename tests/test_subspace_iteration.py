@@ -77,6 +77,23 @@ def test_a_zero_matrix_gives_zero_and_keeps_its_basis():
     assert sigma == pytest.approx(exact(module.weight), rel=1e-5)
 
 
+@pytest.mark.parametrize("rank", [1, 2])
+def test_a_rank_deficient_float32_matrix_keeps_a_finite_basis_and_its_exact_sigma(rank):
+    """A weight of rank 1 or 2 (one Adam step from a zero-initialised matrix is such a weight) makes zᵀz of the
+    block numerically singular: float32's Cholesky broke down with a shift of 1e-6 of the mean eigenvalue and the
+    basis, then σ and the certified-training loss, became NaN (seeds 2 and 5 here did; gpu_check's bf16 runs of
+    lipschitz_transformer with gloro and emma diverged at step 2)."""
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        weight = 100 * torch.randn(64, rank, generator=g) @ torch.randn(rank, 128, generator=g)
+        home = nn.Module()
+        power = SubspaceIteration([(home, "w")], [tuple(weight.shape)], seed=seed)
+        sigma = power.step([weight], iterations=3)[0].sigma
+        exact = torch.linalg.matrix_norm(weight.double(), 2)
+        assert torch.isfinite(home.w_basis).all(), seed
+        assert sigma.double().item() == pytest.approx(exact.item(), rel=1e-5), seed
+
+
 def test_the_basis_is_a_buffer_saved_with_the_module_and_moved_with_it():
     (module,) = linears((6, 10))
     SubspaceIteration.of_weights([module], "test")

@@ -141,18 +141,23 @@ class SubspaceIteration:
 
 
 def _orthonormal(z: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """An orthonormal basis of the columns of z (G, n, b) by Cholesky QR: z·L⁻ᵀ with LLᵀ = zᵀz + δI.
+    """An orthonormal basis of the columns of z (G, n, b) by shifted Cholesky QR: z·L⁻ᵀ with LLᵀ = zᵀz + δI.
 
-    The shift δ (1e-6 of the mean eigenvalue) keeps the factorisation defined when z is rank-deficient; the
-    result is then a contraction, never longer than orthonormal, so a Ritz value from it stays ≤ σ₁². A
-    zero z (a zero-initialised matrix) keeps ``previous``. No host sync (``cholesky_ex``, triangular solve)."""
+    The shift δ = 64·b·u·tr(zᵀz) (u the unit roundoff of z's dtype) keeps the condition number of zᵀz + δI under
+    1/(64·b·u), where the factorisation cannot break down in that dtype, even when z is rank-deficient (a weight of
+    rank 2 after one Adam step from zero: with a shift of 1e-6 of the mean eigenvalue, float32's Cholesky failed
+    and the basis became NaN). The result is a contraction, never longer than orthonormal (its Gram matrix is
+    I − δL⁻¹L⁻ᵀ), so a Ritz value from it stays ≤ σ₁²; the shrinking touches only directions whose eigenvalue is
+    below δ, far below σ₁². A zero z (a zero-initialised matrix), or a factorisation that fails all the same, keeps
+    ``previous``. No host sync (``cholesky_ex``, triangular solve) (Fukaya et al. 2020, shifted CholeskyQR)."""
     gram = z.mT @ z  # (G, b, b)
     trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)  # (G,)
     size = gram.shape[-1]
-    shift = (1e-6 * trace / size + torch.finfo(z.dtype).tiny)[:, None, None]
-    lower, _ = torch.linalg.cholesky_ex(gram + shift * torch.eye(size, dtype=z.dtype, device=z.device))
+    shift = (64 * size * torch.finfo(z.dtype).eps * trace + torch.finfo(z.dtype).tiny)[:, None, None]
+    lower, info = torch.linalg.cholesky_ex(gram + shift * torch.eye(size, dtype=z.dtype, device=z.device))
     basis = torch.linalg.solve_triangular(lower, z.mT, upper=False).mT
-    return torch.where((trace > 0)[:, None, None], basis, previous)
+    usable = (trace > 0) & (info == 0) & torch.isfinite(basis).flatten(1).all(-1)
+    return torch.where(usable[:, None, None], basis, previous)
 
 
 def _top_eigenvector(t: torch.Tensor, squarings: int = 10) -> torch.Tensor:
