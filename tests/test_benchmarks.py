@@ -42,6 +42,21 @@ def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
     assert "timm qk_norm=True" in rows
 
 
+def test_host_profile_lists_a_steps_operators_and_counts(tmp_path):
+    """benchmarks/host_profile.py profiles the training steps it names and writes the table and the per-step counts
+    as it goes."""
+    out = tmp_path / "profile.txt"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_profile.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    assert "training steps 2..4 on cpu" in text and "ms a step (profiled)" in text
+    assert "aten::addmm" in text or "aten::mm" in text  # the model's operators are in the table
+    steps = [float(line.split(": ")[1].split()[0]) for line in text.splitlines() if line.startswith("aten::copy_:")]
+    assert steps and steps[0] > 0
+    assert text.rstrip().splitlines()[-1].startswith("fit of 14 steps")
+
+
 def test_gpu_check_says_in_one_line_that_there_is_no_gpu(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
