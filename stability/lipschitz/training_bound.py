@@ -23,13 +23,14 @@ import torch
 from torch import nn
 
 from ..certified_training.losses import MarginBound
+from ..models.adapters import SplitQKV
 from ..models.hybrid import is_stem
 from ..nn.lipschitz_blocks import effective_weight
 from ..nn.precision import at_least_float32, float32_math
 from ..nn.spectral import SubspaceIteration, top_singular_value
 from .certified import certified_bound
 from .conv_bounds import is_lipconvnet
-from .transformer_bounds import NotALipschitzTransformer, bound_matrices, pixel_bound
+from .transformer_bounds import NotALipschitzTransformer, _parts, bound_matrices, pixel_bound
 
 
 class TrainingBound:
@@ -47,6 +48,7 @@ class TrainingBound:
         self._names: list[str] = []
         self._power: SubspaceIteration | None = None
         self._kind = ""
+        self._head_blocks: list[int] = []  # blocks whose per-head σ are computed from the whole qkv and W_O at once
 
     def prepare(self, network: nn.Module) -> None:
         """Pick the computation for this network (after every architecture change); a ValueError where it has no
@@ -67,21 +69,50 @@ class TrainingBound:
         self.source = ("power-iteration σ₁ estimates, " + ("differentiable" if self.differentiable else
                        "constant per step") + " (Lipschitz transformer)")
         self._names = list(matrices)
+        self._head_blocks = [i for i, attn in enumerate(_attentions(network)) if _heads_in_place(attn, matrices, i)]
         self._power = SubspaceIteration([(network, f"{self.owner}_{i}") for i in range(len(self._names))],
                                         [tuple(m.shape) for m in matrices.values()])
         self._power.step([m.detach() for m in matrices.values()], iterations=30)  # warm start
 
     def estimated_sigmas(self, network: nn.Module) -> dict[str, torch.Tensor]:
-        """σ̂ = uᵀWv of every matrix of the bound after the step's power iteration, float32, differentiable in W."""
+        """σ̂ = uᵀWv of every matrix of the bound after the step's power iteration, float32, differentiable in W.
+
+        The heads' matrices are rows of a block's W_Q, W_K, W_V and columns of its W_O: their σ̂ come from those
+        weights viewed as (3, H, d, D) and (D, H, d), one product per block and kind (``"<i>.q[heads]"``… and
+        ``"<i>.o[heads]"``, vectors over the heads), instead of a slice of the weight per head, whose backward
+        would write a zero-filled copy of the whole weight for every head."""
         matrices = bound_matrices(network)
         weights = [matrices[name] for name in self._names]
         sigmas: dict[str, torch.Tensor] = {}
         if is_stem(network.backbone.patch_embed):  # the hybrid's AOL stem: 1 per layer by construction
             sigmas["stem"] = at_least_float32(network.mean.new_ones(()))  # float64 for a float64 network
-        for group in self._power.step(weights, self.iterations):
-            stacked = torch.stack([weights[i] for i in group.indices]).to(group.weight.dtype)  # with the graph
-            values = torch.einsum("gm,gmn,gn->g", group.u, stacked, group.v)
-            sigmas.update({self._names[i]: value for i, value in zip(group.indices, values.unbind(0))})
+        groups = self._power.step(weights, self.iterations)
+        vectors = {self._names[i]: (group.u[j], group.v[j]) for group in groups for j, i in enumerate(group.indices)}
+        in_blocks = set()
+        attentions = _attentions(network)
+        for i in self._head_blocks:
+            attn, dtype = attentions[i], groups[0].u.dtype
+            heads, width = attn.num_heads, attn.head_dim
+            qkv = [f"{i}.{part}{h}" for part in "qkv" for h in range(heads)]
+            u = torch.stack([vectors[name][0] for name in qkv]).view(3, heads, width)
+            v = torch.stack([vectors[name][1] for name in qkv]).view(3, heads, -1)
+            rows = torch.stack(_qkv_parts(attn)).view(3, heads, width, -1).to(dtype)  # (3, H, d, D)
+            values = torch.einsum("phm,phmn,phn->ph", u, rows, v)
+            sigmas.update({f"{i}.{part}[heads]": values[p] for p, part in enumerate("qkv")})
+            outputs = [f"{i}.o{h}" for h in range(heads)]
+            u_o = torch.stack([vectors[name][0] for name in outputs])  # (H, D)
+            v_o = torch.stack([vectors[name][1] for name in outputs])  # (H, d)
+            w_o = attn.proj.weight.view(-1, heads, width).to(dtype)  # (D, H, d): column block h is head h's W_O^h
+            sigmas[f"{i}.o[heads]"] = torch.einsum("hm,mhn,hn->h", u_o, w_o, v_o)
+            in_blocks.update(qkv + outputs)
+        for group in groups:
+            rest = [j for j, i in enumerate(group.indices) if self._names[i] not in in_blocks]
+            if not rest:
+                continue
+            u, v = (group.u, group.v) if len(rest) == len(group.indices) else (group.u[rest], group.v[rest])
+            stacked = torch.stack([weights[group.indices[j]] for j in rest]).to(group.weight.dtype)  # with the graph
+            values = torch.einsum("gm,gmn,gn->g", u, stacked, v)
+            sigmas.update({self._names[group.indices[j]]: value for j, value in zip(rest, values.unbind(0))})
         return sigmas
 
     def __call__(self, network: nn.Module) -> MarginBound:
@@ -109,6 +140,37 @@ class TrainingBound:
         if self.differentiable:
             return bound
         return MarginBound(*(None if t is None else t.detach() for t in (bound.total, bound.features, bound.head)))
+
+
+def _attentions(network: nn.Module) -> list[nn.Module]:
+    """Each block's attention module (token mixing included), in block order."""
+    return [wrapper.block.attn for wrapper in _parts(network)[2]]
+
+
+def _qkv_parts(attn: nn.Module) -> list[torch.Tensor]:
+    """W_Q, W_K, W_V of an attention module, each (H·d, D): a split projection's three weights (the hybrid's unit
+    attention shares W_K = W_Q), or the thirds of a fused one."""
+    qkv = attn.qkv
+    if isinstance(qkv, SplitQKV):
+        return [qkv.q.weight, qkv.k.weight, qkv.v.weight]
+    return list(qkv.weight.view(3, -1, qkv.weight.shape[-1]).unbind(0))
+
+
+def _heads_in_place(attn: nn.Module, matrices: dict[str, torch.Tensor], i: int) -> bool:
+    """Whether block i's per-head matrices of :func:`bound_matrices` are the rows h·d … (h + 1)·d of W_Q, W_K, W_V
+    and the same columns of W_O (then :meth:`TrainingBound.estimated_sigmas` takes every head from the weights at
+    once); checked on their values, at preparation."""
+    heads, width = getattr(attn, "num_heads", 0), getattr(attn, "head_dim", 0)
+    if f"{i}.q0" not in matrices or not heads:
+        return False
+    with torch.no_grad():
+        parts, w_o = _qkv_parts(attn), attn.proj.weight
+        if any(w.shape[0] != heads * width for w in parts) or w_o.shape[1] != heads * width:
+            return False
+        rows, columns = torch.stack(parts).view(3, heads, width, -1), w_o.view(w_o.shape[0], heads, width)
+        return all(torch.equal(matrices[f"{i}.{part}{h}"], rows[p, h])
+                   and torch.equal(matrices[f"{i}.o{h}"], columns[:, h])
+                   for p, part in enumerate("qkv") for h in range(heads))
 
 
 __all__ = ["TrainingBound"]

@@ -178,6 +178,13 @@ def bound_matrices(network: nn.Module) -> dict[str, torch.Tensor]:
     return matrices
 
 
+def head_sigmas(sigmas: dict[str, torch.Tensor], i: int, part: str, heads: int) -> torch.Tensor:
+    """(H,): σ of ``part`` ('q', 'k', 'v' or 'o') of each head of block i — the vector ``"<i>.<part>[heads]"`` where
+    ``sigmas`` has one (a training bound computes the heads of a block at once), else the per-head values stacked."""
+    vector = sigmas.get(f"{i}.{part}[heads]")
+    return vector if vector is not None else torch.stack([sigmas[f"{i}.{part}{h}"] for h in range(heads)])
+
+
 def pixel_bound(network: nn.Module, differentiable: bool = False,
                 sigmas: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(bound of pixels → logits, bound of pixels → the head's input), ℓ2, on [0, 1]ⁿ (module docstring); the
@@ -257,7 +264,7 @@ def _dot_attention(i: int, attn: nn.Module, sigmas: dict[str, torch.Tensor], tok
     """(Lipschitz bound, output token size) of the Lipschitz transformer's attention (1/3)·W_O·softmax(c·QKᵀ)·V
     on tokens of size ≤ r (module docstring)."""
     c, bias, heads = attn.kernel.s / attn.head_dim, attn.qkv.bias, range(attn.num_heads)
-    w_q, w_k, w_v, w_o_heads = (torch.stack([sigmas[f"{i}.{p}{h}"] for h in heads]) for p in "qkvo")  # (H,) each
+    w_q, w_k, w_v, w_o_heads = (head_sigmas(sigmas, i, p, attn.num_heads) for p in "qkvo")  # (H,) each
     if bias is None:
         b_q = b_k = b_v = r.new_zeros(())
     else:
@@ -279,8 +286,7 @@ def _l2_attention(i: int, attn: L2MultiHeadAttention, sigmas: dict[str, torch.Te
     size); the output rows are convex combinations of q_j·W_Qᵀ W_V/√d, of size ≤ ‖W_Q‖²‖W_V‖·r/√d per head."""
     if attn.qkv.bias is not None:
         raise NotALipschitzTransformer("L2 attention with biases (its bound is for linear maps)")
-    w_q = torch.stack([sigmas[f"{i}.q{h}"] for h in range(attn.num_heads)])
-    w_v = torch.stack([sigmas[f"{i}.v{h}"] for h in range(attn.num_heads)])
+    w_q, w_v = head_sigmas(sigmas, i, "q", attn.num_heads), head_sigmas(sigmas, i, "v", attn.num_heads)
     whole = sigmas[f"{i}.o"]
     lip = l2_attention_bound(tokens, attn.head_dim, w_q, w_v, whole)
     size = whole * torch.linalg.vector_norm(w_q.pow(2) * w_v * r / math.sqrt(attn.head_dim)) \

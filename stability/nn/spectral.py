@@ -121,8 +121,10 @@ class SubspaceIteration:
     @torch.no_grad()
     def step(self, matrices: list[torch.Tensor], iterations: int = 1) -> list[TopSingular]:
         """``iterations`` subspace steps on ``matrices`` (their current values, in the order given at
-        construction), then the top Ritz pair; one :class:`TopSingular` per shape."""
-        groups = []
+        construction), then the top Ritz pair; one :class:`TopSingular` per shape. The Ritz step's small
+        eigenproblems (b × b, the same b for every matrix at least ``block`` wide) are solved for all shapes at once:
+        a model's dozen shapes take one set of launches, not a dozen."""
+        pending = []
         with float32_math(matrices[0].device.type):
             for indices, stacked in grouped_by_shape([w.detach() for w in matrices]):
                 w = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # (G, m, n), float32 at least
@@ -131,13 +133,31 @@ class SubspaceIteration:
                     basis = _orthonormal(w.mT @ (w @ basis), basis)
                 torch._foreach_copy_([self.basis(i) for i in indices], list(basis.unbind(0)))
                 images = w @ basis  # (G, m, b)
-                x = _top_eigenvector(images.mT @ images)  # (G, b)
+                pending.append((indices, w, basis, images))
+            tops = _top_eigenvectors([images.mT @ images for _, _, _, images in pending])  # each (G, b)
+            groups = []
+            for (indices, w, basis, images), x in zip(pending, tops):
                 v, wv = (basis @ x.unsqueeze(-1)).squeeze(-1), (images @ x.unsqueeze(-1)).squeeze(-1)
                 v_norm = v.norm(dim=-1).clamp_min(torch.finfo(w.dtype).tiny)
                 sigma = wv.norm(dim=-1) / v_norm
                 u = wv / (sigma * v_norm).clamp_min(torch.finfo(w.dtype).tiny).unsqueeze(-1)
                 groups.append(TopSingular(indices, w, sigma, u, v / v_norm.unsqueeze(-1)))
         return groups
+
+
+def _top_eigenvectors(grams: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_top_eigenvector` of every (G_i, b, b) stack of ``grams``, those of one size and dtype solved in one
+    batch (each matrix is normalised on its own, so batching changes nothing but the number of launches)."""
+    by_kind: dict[tuple, list[int]] = {}
+    for i, gram in enumerate(grams):
+        by_kind.setdefault((gram.shape[-1], gram.dtype), []).append(i)
+    tops: list[torch.Tensor | None] = [None] * len(grams)
+    for members in by_kind.values():
+        solved = _top_eigenvector(torch.cat([grams[i] for i in members])) if len(members) > 1 else \
+            _top_eigenvector(grams[members[0]])
+        for i, part in zip(members, solved.split([grams[i].shape[0] for i in members])):
+            tops[i] = part
+    return tops
 
 
 def _orthonormal(z: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:

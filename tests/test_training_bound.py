@@ -1,0 +1,81 @@
+"""The certified losses' per-step bound (stability/lipschitz/training_bound.py): the heads' σ̂ taken from each block's
+weights at once equal the per-matrix σ̂ = uᵀWv, in value and gradient, on the Lipschitz-transformer ViT (fused-qkv
+rows) and on the hybrid (unit L2 attention, whose W_K is its W_Q)."""
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.lipschitz.transformer_bounds import bound_matrices, pixel_bound
+
+
+def lipschitz_vit() -> ImageClassifier:
+    return ImageClassifier(backbone_options=dict(embed_dim=16, depth=2, num_heads=2), image_size=8,
+                           stabilizer=["lipschitz_transformer", "muon", "gloro"],
+                           stabilizer_options={"lipschitz_transformer": {"zero_init": False}})
+
+
+def hybrid() -> ImageClassifier:
+    return ImageClassifier(backbone="hybrid", image_size=8, stabilizer=["lipschitz_transformer", "muon", "gloro"],
+                           stabilizer_options={"lipschitz_transformer": {"attention": "l2_unit", "pooling": "flatten",
+                                                                         "zero_init": False}})
+
+
+def per_matrix_sigmas(bound, network) -> dict[str, torch.Tensor]:
+    """The reference: σ̂ = uᵀWv of every matrix of the bound on its own (a slice of the weight per head)."""
+    matrices = bound_matrices(network)
+    weights = [matrices[name] for name in bound._names]
+    sigmas = {}
+    for group in bound._power.step(weights, bound.iterations):
+        stacked = torch.stack([weights[i] for i in group.indices]).to(group.weight.dtype)
+        values = torch.einsum("gm,gmn,gn->g", group.u, stacked, group.v)
+        sigmas.update({bound._names[i]: value for i, value in zip(group.indices, values.unbind(0))})
+    return sigmas
+
+
+@pytest.mark.parametrize("build", [lipschitz_vit, hybrid], ids=["vit", "hybrid"])
+def test_the_heads_taken_at_once_equal_each_head_alone_in_value_and_gradient(build):
+    torch.manual_seed(0)
+    module = build()
+    network, bound = module.network, module.stabilizers[-1].training_bound
+    assert bound._head_blocks == [0, 1]  # every block takes its heads at once
+    with torch.no_grad():  # rows scaled apart: every head's σ differs (orthogonal initialisations make them all 1)
+        for weight in (p for p in network.parameters() if p.ndim == 2):
+            weight.mul_(1 + torch.rand(weight.shape[0], 1))
+    bases = {name: b.clone() for name, b in network.named_buffers() if name.endswith("_basis")}
+    fast = bound.estimated_sigmas(network)
+    for name, b in network.named_buffers():  # the same power-iteration step for the reference
+        if name in bases:
+            b.copy_(bases[name])
+    slow = per_matrix_sigmas(bound, network)
+    heads = network.backbone.blocks[0].block.attn.num_heads
+    def per_name(sigmas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every matrix's σ̂ under its own name (a block's head vectors split)."""
+        flat = {}
+        for name in slow:
+            block, _, matrix = name.partition(".")
+            vector = sigmas.get(f"{block}.{matrix[:1]}[heads]") if matrix[1:].isdigit() else None
+            flat[name] = vector[int(matrix[1:])] if vector is not None else sigmas[name]
+        return flat
+
+    for name, value in slow.items():
+        assert float(per_name(fast)[name].detach()) == pytest.approx(float(value.detach()), rel=1e-5, abs=1e-7), name
+    if heads > 1:  # distinct heads: a head order mixed up would show
+        for part in "qkvo":
+            per_head = torch.stack([slow[f"0.{part}{h}"] for h in range(heads)]).detach()
+            assert float(per_head.max() / per_head.min()) > 1.001, part
+    coefficients = torch.Generator().manual_seed(3)
+
+    def gradients(sigmas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        module.zero_grad()
+        total, _ = pixel_bound(network, differentiable=True, sigmas=sigmas)
+        flat = per_name(sigmas)
+        (total + sum(torch.rand((), generator=coefficients) * flat[name] for name in sorted(flat))).backward()
+        return {n: p.grad.clone() for n, p in network.named_parameters() if p.grad is not None}
+
+    state = coefficients.get_state()
+    fast_grads = gradients(fast)
+    coefficients.set_state(state)
+    slow_grads = gradients({**slow, **{k: v for k, v in fast.items() if k == "stem"}})
+    assert fast_grads.keys() == slow_grads.keys()
+    for name in fast_grads:
+        torch.testing.assert_close(fast_grads[name], slow_grads[name], rtol=1e-5, atol=1e-7, msg=name)
