@@ -40,6 +40,16 @@ def checkpoint(tmp_path_factory) -> Path:
     return root / "runs" / "digits" / "vit" / "none" / "version_0" / "checkpoints" / "last.ckpt"
 
 
+def seconds_in(text: str) -> float:
+    """The seconds of a duration as format_seconds writes it at the start of ``text``: "42 s", "3 min 5 s",
+    "2 h 4 min"."""
+    import re
+
+    match = re.match(r"(?:(\d+) h )?(?:(\d+) min)?\s*(?:(\d+) s)?", text.strip())
+    hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    return 3600 * hours + 60 * minutes + seconds
+
+
 def copy_of(checkpoint: Path, where: Path) -> Path:
     where.mkdir(parents=True)
     return Path(shutil.copy(checkpoint, where / "last.ckpt"))
@@ -81,7 +91,12 @@ def test_sigterm_mid_autoattack_stops_within_seconds_and_a_rerun_resumes(checkpo
     assert any("autoattack_Linf_2/255 on 48 points" in line and "kept from an interrupted run" in line
                for line in said_again.splitlines()), said_again[-2000:]
     whole = copy_of(checkpoint, tmp_path / "whole")
-    run("test", "--ckpt_path", str(whole), *QUIET, *AUTOATTACK, cwd=tmp_path)
+    said = run("test", "--ckpt_path", str(whole), *QUIET, *AUTOATTACK, cwd=tmp_path)
+    lines = (said.stdout + said.stderr).splitlines()
+    plan = next(line for line in lines if "autoattack_Linf_2/255 on 48 points — at most ≈" in line)
+    took = next(line for line in lines if "autoattack_Linf_2/255 on 48 points in " in line)
+    bound, taken = seconds_in(plan.split("at most ≈ ")[1]), seconds_in(took.split(" points in ")[1])
+    assert taken <= bound, (plan, took)  # the plan line is an upper bound
     first, second = (json.loads((p.parent / "results.json").read_text()) for p in (stopped, whole))
     assert first["complete"] and first["robustness"]["accuracy"] == second["robustness"]["accuracy"]
     assert first["robustness"]["attacks"] == second["robustness"]["attacks"]
