@@ -90,8 +90,9 @@ def test_a_diverged_run_stops_cleanly_keeps_its_files_and_exits_with_its_status(
     assert scalars(run, "hp/diverged_at_step")[-1] == 6 and (run / "config.yaml").is_file()
 
 
-def test_monitors_log_during_fit(tmp_path, scalars, tiny_vit_args):
+def test_monitors_log_during_fit(tmp_path, scalars, tiny_vit_args, caplog):
     os.chdir(tmp_path)
+    caplog.set_level("INFO")
     main(["fit", *tiny_vit_args, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4",
           "--lipschitz.num_points", "8", "--lipschitz.exclude_patch_embed", "true", "--robustness.every_n_epochs", "2",
           "--robustness.num_points", "16", "--robustness.pgd_steps", "2", "--stability.log_every_n_steps", "1",
@@ -106,6 +107,34 @@ def test_monitors_log_during_fit(tmp_path, scalars, tiny_vit_args):
     assert len(scalars(run, "robust/pgd_Linf_8/255")) == 1  # every 2 epochs
     assert scalars(run, "robust/pgd_Linf_8/255")[0] <= scalars(run, "robust/clean")[0]
     assert scalars(run, "stability/grad_norm") and scalars(run, "stability/act_max/blocks.0")
+    shares = [r.getMessage() for r in caplog.records if "of this epoch's training (" in r.getMessage()]
+    assert sum(m.startswith("lipschitz (fit): measurements") for m in shares) == 2  # every epoch
+    assert sum(m.startswith("robustness (fit): measurements") for m in shares) == 1  # every 2 epochs
+
+
+def test_the_measurements_say_their_share_of_an_epoch_and_warn_once_above_a_tenth(caplog):
+    from stability.callbacks.measuring import EpochShare
+
+    caplog.set_level("INFO")
+    now = iter([0.0, 20.0, 100.0, 120.0, 200.0, 220.0])
+    share = EpochShare("--lipschitz.num_points", clock=lambda: next(now))
+    assert share.report("lipschitz (fit)", 1.0) is None  # no epoch timed yet: nothing said
+    share.epoch_started()
+    share.validation_started()  # 20 s of training
+    assert share.report("lipschitz (fit)", 1.0) == pytest.approx(0.05)
+    share.epoch_started()
+    share.validation_started()
+    with pytest.warns(UserWarning, match=r"take 25% of an epoch's training time .* --lipschitz.num_points"):
+        assert share.report("lipschitz (fit)", 5.0) == pytest.approx(0.25)
+    share.epoch_started()
+    share.validation_started()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per run: no second warning
+        assert share.report("lipschitz (fit)", 5.0) == pytest.approx(0.25)
+    said = [r.getMessage() for r in caplog.records if "of this epoch's training" in r.getMessage()]
+    assert said[0] == "lipschitz (fit): measurements 1 s, 5% of this epoch's training (20 s)"
 
 
 def test_monitor_options_are_checked():

@@ -20,6 +20,7 @@ in float32 whatever the training precision; the weights once, on the first proce
 from __future__ import annotations
 
 import math
+import time
 
 import lightning as L
 import torch
@@ -33,7 +34,7 @@ from ..lipschitz.pairs import certified_pair_constants, margin_lower_bound
 from ..nn.spectral import rms_scale, spectral_norms
 from ..robustness.attacks import evaluating, gradients_allowed
 from .bounds import exact_certificate
-from .measuring import MeasurementInterrupted, Session, results_path, store_key
+from .measuring import EpochShare, MeasurementInterrupted, Session, results_path, store_key
 from .points import dataset_of, has_finite_weights, measure_batches, point_count
 from .precision import float32_network
 
@@ -65,11 +66,22 @@ class LipschitzMonitor(L.Callback):
         self.attention, self.attention_points, self.per_head = attention, attention_points, per_head
         self._said_no_bound = False
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
+        self._share = EpochShare("--lipschitz.num_points, --lipschitz.attention_points, --lipschitz.pair_points, "
+                                 "--lipschitz.every_n_epochs")
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._share.epoch_started()
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._share.validation_started()
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
+        started = time.perf_counter()
         self._measure(trainer, pl_module, trainer.val_dataloaders, self.num_points, "fit")
+        self._share.report("lipschitz (fit)", time.perf_counter() - started)
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 RESULTS_FILE = "results.json"  # beside the tested checkpoint (results_file.py writes it)
@@ -133,6 +133,42 @@ class Session:
         line = f"{self.label}: {name} on {points} points in {format_seconds(seconds)} ({rate:.3g} points/s{kept})"
         self.lines.append(line)
         rank_zero_info(line)
+
+
+SHARE_LIMIT = 0.10  # of an epoch's training time, for the measurements a monitor makes at validation during fit
+
+
+class EpochShare:
+    """What a monitor's measurements at a validation during fit cost, against the training time of the epoch so far
+    (from the epoch's start to its validation): one line after them, and a warning, once, when they take more than
+    :data:`SHARE_LIMIT` of it, with the options that limit them. On a GPU a small model's epoch takes seconds, and
+    measurements sized for a CPU can take longer than the training itself."""
+
+    def __init__(self, options: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.options, self.clock = options, clock
+        self.started: float | None = None
+        self.training: float | None = None
+        self.warned = False
+
+    def epoch_started(self) -> None:
+        self.started, self.training = self.clock(), None
+
+    def validation_started(self) -> None:
+        if self.started is not None:
+            self.training = self.clock() - self.started
+
+    def report(self, label: str, seconds: float) -> float | None:
+        """Say the share ``seconds`` is of this epoch's training (None where the epoch was not timed)."""
+        if not self.training:
+            return None
+        share = seconds / self.training
+        rank_zero_info(f"{label}: measurements {format_seconds(seconds)}, {share:.0%} of this epoch's training "
+                       f"({format_seconds(self.training)})")
+        if share > SHARE_LIMIT and not self.warned:
+            rank_zero_warn(f"{label}: the measurements take {share:.0%} of an epoch's training time (more than "
+                           f"{SHARE_LIMIT:.0%}); limit them with {self.options}")
+            self.warned = True
+        return share
 
 
 def _on_cpu(value: Any) -> Any:

@@ -16,6 +16,7 @@ See :mod:`stability.callbacks.points` for how points are chosen and shared betwe
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import lightning as L
@@ -28,7 +29,15 @@ from ..robustness import AttackSettings, AttackSpec, certified_at, certified_rad
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
 from ..robustness.autoattack_cost import autoattack_seconds
 from .bounds import exact_certificate
-from .measuring import MeasurementInterrupted, Session, format_seconds, results_path, seconds_per_point, store_key
+from .measuring import (
+    EpochShare,
+    MeasurementInterrupted,
+    Session,
+    format_seconds,
+    results_path,
+    seconds_per_point,
+    store_key,
+)
 from .points import dataset_of, has_finite_weights, load, measure_batches, point_count
 from .precision import float32_network
 
@@ -85,6 +94,7 @@ class RobustnessMonitor(L.Callback):
         AttackSettings(10, pgd_steps, None, autoattack_version, seed)  # validates the version
         self._said_no_bound = False
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
+        self._share = EpochShare("--robustness.num_points, --robustness.attacks, --robustness.every_n_epochs")
 
     def specs(self, attacks: Sequence[str]) -> list[AttackSpec]:
         specs = []
@@ -94,10 +104,19 @@ class RobustnessMonitor(L.Callback):
             specs += [AttackSpec(name, "L2", e) for e in (self.autoattack_l2_eps if is_autoattack else self.l2_eps)]
         return specs
 
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._share.epoch_started()
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._share.validation_started()
+
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
+        started = time.perf_counter()
         self._evaluate(trainer, pl_module, trainer.val_dataloaders, self.attacks, self.num_points, "fit")
+        self._share.report("robustness (fit)", time.perf_counter() - started)
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs:
@@ -172,9 +191,10 @@ class RobustnessMonitor(L.Callback):
             parts.append(f"{spec.label} on {prefix[spec.label]}")
         limits = "--robustness.test_num_points, --robustness.attack_num_points, --robustness.autoattack_num_points" \
             if stage == "test" else "--robustness.num_points, --robustness.every_n_epochs"
+        worst = " if every point resists every attack" if any(s.name.startswith("autoattack") for s in specs) else ""
         rank_zero_info(f"robustness ({stage}): {', '.join(parts)} points — at most ≈ {format_seconds(seconds)} on this "
-                       f"machine ({per_pass * 1e3:.3g} ms a forward and backward pass per point); limit it with "
-                       f"{limits}")
+                       f"machine{worst} ({per_pass * 1e3:.3g} ms a forward and backward pass per point); limit it "
+                       f"with {limits}")
 
     def _interrupted(self, trainer, pl_module, stage: tags.Stage, stopped: MeasurementInterrupted,
                      batches_of: dict[str, list], count: int, specs, prefix, bound, dataset, session) -> None:
