@@ -76,6 +76,8 @@ QUICK_BUDGET_S = {s: t + FLEX_COMPILE_S.get(s, 0) for s, t in QUICK_RUN_S.items(
 QUICK = False
 STATE: dict = {}  # every section's last result, as written to the .json
 REPORT: tuple | None = None  # (out, device description, gpus): where and how the report is rewritten
+LINGERING: list[threading.Thread] = []  # comparison cases cut at the budget, still running (a thread cannot be killed)
+LINGER_S = 600  # how long the next section, or the exit, waits for them
 
 
 def main() -> None:
@@ -121,6 +123,7 @@ def main() -> None:
     REPORT = (out, describe(DEVICE), torch.cuda.device_count())
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/gpu_check.py", *sys.argv[1:]])
     for section in sections:
+        wait_for_cut_cases()  # a cut case's thread would share the CPU and the GPU with this section's timings
         started = time.time()
         budget = QUICK_BUDGET_S.get(section, 0) * args.budget_scale if QUICK and args.budget_scale > 0 else None
         deadline = None if budget is None else started + budget
@@ -139,9 +142,24 @@ def main() -> None:
               + (f" of {budget} s" if budget else "") + ")", flush=True)
     print(out.read_text())
     print(f"wrote {out}")
-    if not all(s["passed"] for s in STATE.values()):
-        raise SystemExit(1)
-    raise SystemExit(3 if any(s.get("cut") for s in STATE.values()) else 0)
+    status = 1 if not all(s["passed"] for s in STATE.values()) else \
+        3 if any(s.get("cut") for s in STATE.values()) else 0
+    if not wait_for_cut_cases():  # a thread still inside torch at interpreter shutdown can crash it: leave now
+        sys.stdout.flush()
+        os._exit(status)
+    raise SystemExit(status)
+
+
+def wait_for_cut_cases() -> bool:
+    """Wait (up to LINGER_S) for comparison cases cut at their section's budget to end; False if one still runs."""
+    for thread in list(LINGERING):
+        if thread.is_alive():
+            print(f"gpu_check: waiting for a comparison case cut at its budget to end (at most {LINGER_S} s) …",
+                  flush=True)
+            thread.join(LINGER_S)
+        if not thread.is_alive():
+            LINGERING.remove(thread)
+    return not LINGERING
 
 
 def verdict(section: dict) -> str:
@@ -401,7 +419,8 @@ COMPARE_POINTS, COMPARE_POINTS_QUICK = 32, 8  # images per case (the CPU referen
 def compare_with_cpu(deadline: float | None) -> dict:
     """stability/testing/parity.py on every case: the reference on the CPU against a copy on the device, float32, TF32
     off. Each case runs in a thread that the section stops waiting for at its deadline: a case cut there is
-    reported with the phase it was in (the thread is left to finish on its own; the script does not wait for it)."""
+    reported with the phase it was in; its thread is left to end on its own, and the next section (or the exit) waits
+    for it first, so that it shares no section's timings."""
     rows: list[dict] = []
     for stabilizer, backbone in cases():
         if remaining(deadline) == 0:
@@ -413,6 +432,7 @@ def compare_with_cpu(deadline: float | None) -> dict:
         worker.start()
         worker.join(remaining(deadline))
         if worker.is_alive():
+            LINGERING.append(worker)
             rows.append({"stabilizers": stabilizer, "backbone": backbone, "passed": None, "keys": 0,
                          "worst": f"cut at the section's budget during {case['phase']}",
                          "seconds": round(time.time() - case.get("started", time.time()), 1)})

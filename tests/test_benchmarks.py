@@ -160,6 +160,8 @@ def test_gpu_checks_comparison_stops_at_its_deadline_and_names_the_phase(monkeyp
     assert first["worst"] == "cut at the section's budget during the measurements on the CPU"
     assert second["passed"] is None and second["worst"].startswith("not run")
     assert result["cut"] and result["passed"]
+    assert len(gpu_check.LINGERING) == 1  # the cut case's thread, which the next section waits for
+    assert gpu_check.wait_for_cut_cases() and not gpu_check.LINGERING  # released above: it ends
 
     def failing_case(stabilizer, backbone, case):
         case["error"] = ValueError("planted")

@@ -167,9 +167,11 @@ def _orthonormal(z: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     1/(64·b·u), where the factorisation cannot break down in that dtype, even when z is rank-deficient (a weight of
     rank 2 after one Adam step from zero: with a shift of 1e-6 of the mean eigenvalue, float32's Cholesky failed
     and the basis became NaN). The result is a contraction, never longer than orthonormal (its Gram matrix is
-    I − δL⁻¹L⁻ᵀ), so a Ritz value from it stays ≤ σ₁²; the shrinking touches only directions whose eigenvalue is
-    below δ, far below σ₁². A zero z (a zero-initialised matrix), or a factorisation that fails all the same, keeps
-    ``previous``. No host sync (``cholesky_ex``, triangular solve) (Fukaya et al. 2020, shifted CholeskyQR)."""
+    I − δL⁻¹L⁻ᵀ), so a Ritz value from it stays ≤ σ₁² (v is normalised afterwards); the shrinking reaches the
+    directions whose eigenvalue of zᵀz is not far above δ ≈ 5e-4·λ₁ (b = 8, float32: those with σ ≲ 0.15·σ₁ in the
+    iterate), not the top one. A zero z (a zero-initialised matrix), or a factorisation that fails all the same,
+    keeps ``previous`` (the estimate stays a lower bound, one step staler). No host sync (``cholesky_ex``, triangular
+    solve) (Fukaya et al. 2020, shifted CholeskyQR)."""
     gram = z.mT @ z  # (G, b, b)
     trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)  # (G,)
     size = gram.shape[-1]

@@ -8,8 +8,10 @@ per batch, as (calls with a backward pass, calls without):
 
 * standard: APGD-CE (101, 10), APGD-T 9 targets (909, 19), FAB-T (900, 937; its backward also reaches the network's
   weights), Square 5,000 queries (0, 5,012): 1,910 and 5,978, 7,888 in all;
-* plus: APGD-CE and APGD-DLR with 5 restarts, FAB with 5, Square, APGD-T, FAB-T;
-* rand: APGD-CE and APGD-DLR with 20 EOT draws each.
+* plus: APGD-CE and APGD-DLR with 5 restarts, FAB with 5 (untargeted: a backward pass per class at each of its
+  calls), Square, APGD-T, FAB-T;
+* rand: APGD-CE and APGD-DLR with 20 EOT draws each;
+* the standard version at ℓ1: APGD-CE with 5 restarts, APGD-T with 5 targets.
 
 Each call costs the network's pass on the batch (forward, or forward and a full backward: measured) and the attack's
 own work around it (projections, sampling, bookkeeping: on a small network or a GPU the larger part). That overhead
@@ -24,13 +26,23 @@ import time
 import torch
 from torch import nn
 
-# (calls with a backward pass, calls without) per batch, every point resisting every attack
+# (calls with a backward pass, calls without) per batch, every point resisting every attack (ℓ∞ and ℓ2; the
+# standard version at ℓ1 runs APGD with 5 restarts and 5 targets: CALLS_L1)
 CALLS: dict[str, dict[str, tuple[int, int]]] = {
     "standard": {"apgd-ce": (101, 10), "apgd-t": (909, 19), "fab-t": (900, 937), "square": (0, 5012)},
     "plus": {"apgd-ce": (505, 10), "apgd-dlr": (505, 10), "fab": (500, 520), "square": (0, 5012),
              "apgd-t": (909, 19), "fab-t": (900, 937)},
     "rand": {"apgd-ce": (2020, 5), "apgd-dlr": (2020, 5)},
 }
+CALLS_L1 = {"standard": {"apgd-ce": (515, 10), "apgd-t": (515, 15), "fab-t": (900, 937), "square": (0, 5012)}}
+JACOBIAN = {"fab"}  # untargeted FAB: each call with a backward pass takes one backward pass per class
+
+
+def calls(version: str, norm: str) -> dict[str, tuple[int, int]]:
+    """The calls per batch of ``version`` at ``norm`` (module docstring)."""
+    return (CALLS_L1 if norm == "L1" else CALLS).get(version, CALLS[version])
+
+
 PROBE_ITERATIONS = 8  # of each attack, on the stand-in, to time its own work per call (the slower of two runs)
 MARGIN = 2.0  # timed passes and probes of the attacks' own work vary by up to ≈ 1.6× between runs on a shared
 # machine (2 CPU cores: the probe's per-call time of Square 0.54–0.94 ms against 0.90–0.93 ms in the full attack);
@@ -39,17 +51,21 @@ MARGIN = 2.0  # timed passes and probes of the attacks' own work vary by up to �
 
 class Unbreakable(nn.Module):
     """Class 0 for every input, by a margin of 1,000 that no perturbation of an image in [0, 1] can close (its
-    logits move by at most 1e-3 per unit of input); counts its calls, and those that build a graph for a
-    backward pass."""
+    logits move by at most 1e-3 per unit of input); counts its calls, those that build a graph for a backward pass,
+    and the backward passes that reach its weights (FAB's)."""
 
     def __init__(self, features: int, classes: int) -> None:
         super().__init__()
         self.linear = nn.Linear(features, classes)
-        self.calls = self.graph_calls = 0
+        self.calls = self.graph_calls = self.weight_backwards = 0
         with torch.no_grad():
             self.linear.weight.uniform_(-1e-3 / features, 1e-3 / features)
             self.linear.bias.zero_()
             self.linear.bias[0] = 1000.0
+        self.linear.weight.register_hook(self._count_backward)
+
+    def _count_backward(self, grad: torch.Tensor) -> None:
+        self.weight_backwards += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -62,10 +78,12 @@ def attack_overheads(images: torch.Tensor, classes: int, norm: str, eps: float, 
     """Seconds of each attack's own work per call, on a batch shaped as ``images``: a few iterations of it on
     :class:`Unbreakable` (whose own pass is a matrix–vector product), timed. The global random generators are left
     as they were."""
+    from ..nn.precision import float32_math
     from .attacks import gradients_allowed
 
     devices = [images.device] if images.is_cuda else []
-    with torch.random.fork_rng(devices=devices), gradients_allowed():  # the attacks seed the global generators
+    with torch.random.fork_rng(devices=devices), gradients_allowed(), float32_math(images.device.type):
+        # the attacks seed the global generators: they are left as they were; float32 as the measured attack
         return _overheads(images.detach().clone(), classes, norm, eps, version, seed)  # (not inference tensors)
 
 
@@ -75,7 +93,7 @@ def _overheads(images: torch.Tensor, classes: int, norm: str, eps: float, versio
     stand_in = Unbreakable(images[0].numel(), classes).to(images.device)
     labels = torch.zeros(len(images), dtype=torch.long, device=images.device)
     overheads = {}
-    for name in CALLS[version]:
+    for name in calls(version, norm):
         attack = AutoAttack(stand_in, norm=norm, eps=eps, version="custom", attacks=[name], seed=seed,
                             device=images.device)
         for apgd in (attack.apgd, attack.apgd_targeted):
@@ -99,12 +117,16 @@ def _overheads(images: torch.Tensor, classes: int, norm: str, eps: float, versio
 
 def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
     """(forward and a full backward, forward alone) of ``network`` on the batch ``images``, in seconds: the slower
-    of two timed passes after a warm-up. The backward reaches every weight, as FAB's does."""
+    of two timed passes after a warm-up. The backward reaches every weight, as FAB's does (through
+    ``torch.autograd.grad``: the weights' ``.grad`` are left alone)."""
     from .attacks import evaluating, gradients_allowed
+
+    weights = [p for p in network.parameters() if p.requires_grad]
 
     def forward_backward() -> None:
         x = images.detach().clone().requires_grad_(True)  # ordinary tensors, also when made under inference mode
-        nn.functional.cross_entropy(network(x), labels.clone()).backward()
+        loss = nn.functional.cross_entropy(network(x), labels.clone())
+        torch.autograd.grad(loss, [x, *weights])  # every weight's gradient, as FAB's backward; nothing accumulated
 
     def forward() -> None:
         with torch.no_grad():
@@ -112,7 +134,6 @@ def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch
 
     times = []
     with gradients_allowed(), evaluating(network):
-        saved = [p.grad for p in network.parameters()]
         for step in (forward_backward, forward):
             step()  # warm-up
             runs = []
@@ -125,8 +146,6 @@ def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch
                     torch.cuda.synchronize(images.device)
                 runs.append(time.perf_counter() - started)
             times.append(max(runs))
-        for p, grad in zip(network.parameters(), saved):  # the network's gradients as they were
-            p.grad = grad
     return times[0], times[1]
 
 
@@ -141,9 +160,12 @@ def autoattack_seconds(network: nn.Module, images: torch.Tensor, labels: torch.T
     batch, batch_labels = images.repeat(reps, *([1] * (images.ndim - 1)))[:size], labels.repeat(reps)[:size]
     backward, forward = network_pass_seconds(network, batch, batch_labels)
     overheads = attack_overheads(batch, classes, norm, eps, version)
-    per_batch = sum(with_grad * (backward + overheads[name]) + without * (forward + overheads[name])
-                    for name, (with_grad, without) in CALLS[version].items())
+    per_batch = 0.0
+    for name, (with_grad, without) in calls(version, norm).items():
+        graph_call = forward + classes * (backward - forward) if name in JACOBIAN else backward
+        per_batch += with_grad * (graph_call + overheads[name]) + without * (forward + overheads[name])
     return MARGIN * per_batch * math.ceil(points / size)
 
 
-__all__ = ["CALLS", "Unbreakable", "attack_overheads", "autoattack_seconds", "network_pass_seconds"]
+__all__ = ["CALLS", "CALLS_L1", "JACOBIAN", "Unbreakable", "attack_overheads", "autoattack_seconds", "calls",
+           "network_pass_seconds"]
