@@ -127,6 +127,15 @@ class Session:
         if not self.show_bar:
             rank_zero_info(f"{self.label}: {name} on {points} points …")
 
+    def progress(self, name: str, done: int, total: int, seconds: float, resumed: int = 0) -> None:
+        """A log line after each batch of a measurement with more to come, where no bar shows it: the points done and
+        the end re-estimated from the rate of those measured (not those kept from an interrupted run)."""
+        if self.show_bar:
+            return
+        measured = done - resumed
+        rest = f"; the rest ≈ {format_seconds(seconds / measured * (total - done))}" if measured > 0 else ""
+        rank_zero_info(f"{self.label}: {name}: {done} of {total} points in {format_seconds(seconds)}{rest}")
+
     def said(self, name: str, points: int, seconds: float, resumed: int = 0) -> None:
         rate = (points - resumed) / seconds if seconds > 0 and points > resumed else float("nan")
         kept = f", {resumed} of them kept from an interrupted run" if resumed else ""

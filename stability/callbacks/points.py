@@ -120,6 +120,9 @@ def measure_batches(dataset, count: int, batch_size: int, device: torch.device,
             local[index] = result
             points += stop - start
             bar.update(stop - start)
+            done = ranges[min(first + world, len(ranges)) - 1][1]  # every process's points of the rounds so far
+            if done < count:
+                session.progress(name, done, count, time.perf_counter() - started, resumed * world)
         if world > 1 and _any_process(stopped, device):
             raise MeasurementInterrupted(name, local, points)
     finally:
