@@ -56,6 +56,8 @@ class Session:
     should_stop: Callable[[], bool] = lambda: False
     store: Path | None = None
     lines: list[str] = field(default_factory=list)  # the log lines written, in order
+    progress_every_s: float = 10.0  # a progress line once a measurement has run this long, and as often at most
+    _last_progress: float = 0.0
 
     @classmethod
     def of(cls, trainer, label: str, store: Path | None = None) -> Session:
@@ -128,10 +130,12 @@ class Session:
             rank_zero_info(f"{self.label}: {name} on {points} points …")
 
     def progress(self, name: str, done: int, total: int, seconds: float, resumed: int = 0) -> None:
-        """A log line after each batch of a measurement with more to come, where no bar shows it: the points done and
-        the end re-estimated from the rate of those measured (not those kept from an interrupted run)."""
-        if self.show_bar:
+        """A log line after a batch of a measurement with more to come, where no bar shows it, once it has run
+        ``progress_every_s`` and as often at most: the points done and the end re-estimated from the rate of those
+        measured (not those kept from an interrupted run)."""
+        if self.show_bar or seconds < self._last_progress + self.progress_every_s:
             return
+        self._last_progress = seconds
         measured = done - resumed
         rest = f"; the rest ≈ {format_seconds(seconds / measured * (total - done))}" if measured > 0 else ""
         rank_zero_info(f"{self.label}: {name}: {done} of {total} points in {format_seconds(seconds)}{rest}")
