@@ -205,6 +205,7 @@ def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     problem = state["runs"]["rows"][0]["problems"][0]
     assert problem.startswith("cut at the section's budget during ") or problem == ("not started: the section's "
                                                                                      "budget was spent"), problem
-    assert state["compare"]["rows"][0]["worst"] == "not run: the section's budget was spent"
+    worst = state["compare"]["rows"][0]["worst"]  # not started, or cut in its first phase (the case's own thread)
+    assert worst == "not run: the section's budget was spent" or worst.startswith("cut at the section's budget during")
     text = out.read_text()
     assert "## runs: cut at its budget" in text and "## compare: cut at its budget" in text and "FAILED" not in text

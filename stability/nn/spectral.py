@@ -160,11 +160,15 @@ def _top_eigenvectors(grams: list[torch.Tensor]) -> list[torch.Tensor]:
     return tops
 
 
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+
 def _orthonormal(z: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis of the columns of z (G, n, b) by shifted Cholesky QR: z·L⁻ᵀ with LLᵀ = zᵀz + δI.
 
-    The shift δ = 64·b·u·tr(zᵀz) (u the unit roundoff of z's dtype) keeps the condition number of zᵀz + δI under
-    1/(64·b·u), where the factorisation cannot break down in that dtype, even when z is rank-deficient (a weight of
+    The shift δ = 64·b·u·tr(zᵀz), u float32's unit roundoff whatever z's dtype (so that a float64 run computes the
+    same function as a float32 one, its reference), keeps the condition number of zᵀz + δI under 1/(64·b·u), where
+    the factorisation cannot break down in float32, even when z is rank-deficient (a weight of
     rank 2 after one Adam step from zero: with a shift of 1e-6 of the mean eigenvalue, float32's Cholesky failed
     and the basis became NaN). The result is a contraction, never longer than orthonormal (its Gram matrix is
     I − δL⁻¹L⁻ᵀ), so a Ritz value from it stays ≤ σ₁² (v is normalised afterwards); the shrinking reaches the
@@ -175,7 +179,7 @@ def _orthonormal(z: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     gram = z.mT @ z  # (G, b, b)
     trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)  # (G,)
     size = gram.shape[-1]
-    shift = (64 * size * torch.finfo(z.dtype).eps * trace + torch.finfo(z.dtype).tiny)[:, None, None]
+    shift = (64 * size * FLOAT32_EPS * trace + torch.finfo(z.dtype).tiny)[:, None, None]  # float32's, in every dtype
     lower, info = torch.linalg.cholesky_ex(gram + shift * torch.eye(size, dtype=z.dtype, device=z.device))
     basis = torch.linalg.solve_triangular(lower, z.mT, upper=False).mT
     usable = (trace > 0) & (info == 0) & torch.isfinite(basis).flatten(1).all(-1)
