@@ -40,12 +40,15 @@ def test_the_bound_holds_where_no_point_falls():
 
     images = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     labels, network = torch.zeros(2, dtype=torch.long), Unbreakable(64, 10)
+    before = autoattack_seconds(network, images, labels, 2, 256, "Linf", 8 / 255, "standard", 10)
     started = time.perf_counter()
     AutoAttack(network, norm="Linf", eps=8 / 255, version="standard", seed=0).run_standard_evaluation(
         images, labels, batch_size=2)
     taken = time.perf_counter() - started
-    bound = autoattack_seconds(network, images, labels, 2, 256, "Linf", 8 / 255, "standard", 10)
-    assert taken <= bound, (taken, bound)  # one-sided: the counts above are the exact check
+    after = autoattack_seconds(network, images, labels, 2, 256, "Linf", 8 / 255, "standard", 10)
+    # one-sided (the counts above are the exact check), timed on both sides of the attack: the load of a shared
+    # machine (other tests beside this one) changes between a plan and its attack, not the attack's calls
+    assert taken <= max(before, after), (taken, before, after)
 
 
 def test_the_overhead_probe_leaves_the_random_generators_as_they_were():
