@@ -28,9 +28,8 @@ sys.path.insert(0, str(ROOT))
 from stability.cli import StabilityCLI  # noqa: E402
 
 COUNTED = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaStreamSynchronize",
-           "cudaDeviceSynchronize",
-           "cudaMemcpyAsync", "cudaEventSynchronize", "aten::item", "aten::_local_scalar_dense", "aten::copy_",
-           "aten::to")
+           "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize", "aten::item",
+           "aten::_local_scalar_dense", "aten::copy_", "aten::to")
 
 
 SHOW_WARNING = warnings.showwarning

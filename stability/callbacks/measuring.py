@@ -126,6 +126,7 @@ class Session:
     def starting(self, name: str, points: int) -> None:
         """A log line as a measurement starts, where no bar shows it (a log read while it runs, or cut short, names
         what was running)."""
+        self._last_progress = 0.0  # this measurement's progress lines start afresh
         if not self.show_bar:
             rank_zero_info(f"{self.label}: {name} on {points} points …")
 

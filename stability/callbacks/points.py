@@ -91,7 +91,6 @@ def measure_batches(dataset, count: int, batch_size: int, device: torch.device,
     bar = session.bar(name, count)
     session.starting(name, count)
     started = time.perf_counter()
-    session._last_progress = 0.0  # this measurement's progress lines start afresh
     rank, world = rank_and_world()
     ranges = batch_ranges(count, batch_size)
     stopped = False

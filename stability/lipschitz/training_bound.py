@@ -89,14 +89,14 @@ class TrainingBound:
         groups = self._power.step(weights, self.iterations)
         vectors = {self._names[i]: (group.u[j], group.v[j]) for group in groups for j, i in enumerate(group.indices)}
         in_blocks = set()
-        attentions = _attentions(network)
+        attentions, dtype = _attentions(network), groups[0].u.dtype
         for i in self._head_blocks:
-            attn, dtype = attentions[i], groups[0].u.dtype
+            attn = attentions[i]
             heads, width = attn.num_heads, attn.head_dim
             qkv = [f"{i}.{part}{h}" for part in "qkv" for h in range(heads)]
             u = torch.stack([vectors[name][0] for name in qkv]).view(3, heads, width)
             v = torch.stack([vectors[name][1] for name in qkv]).view(3, heads, -1)
-            rows = torch.stack(_qkv_parts(attn)).view(3, heads, width, -1).to(dtype)  # (3, H, d, D)
+            rows = _qkv_rows(attn).view(3, heads, width, -1).to(dtype)  # (3, H, d, D)
             values = torch.einsum("phm,phmn,phn->ph", u, rows, v)
             sigmas.update({f"{i}.{part}[heads]": values[p] for p, part in enumerate("qkv")})
             outputs = [f"{i}.o{h}" for h in range(heads)]
@@ -147,13 +147,13 @@ def _attentions(network: nn.Module) -> list[nn.Module]:
     return [wrapper.block.attn for wrapper in _parts(network)[2]]
 
 
-def _qkv_parts(attn: nn.Module) -> list[torch.Tensor]:
-    """W_Q, W_K, W_V of an attention module, each (H·d, D): a split projection's three weights (the hybrid's unit
-    attention shares W_K = W_Q), or the thirds of a fused one."""
+def _qkv_rows(attn: nn.Module) -> torch.Tensor:
+    """W_Q, W_K, W_V of an attention module as (3, H·d, D): a split projection's three weights stacked (the hybrid's
+    unit attention shares W_K = W_Q), or a fused one's weight viewed so."""
     qkv = attn.qkv
     if isinstance(qkv, SplitQKV):
-        return [qkv.q.weight, qkv.k.weight, qkv.v.weight]
-    return list(qkv.weight.view(3, -1, qkv.weight.shape[-1]).unbind(0))
+        return torch.stack([qkv.q.weight, qkv.k.weight, qkv.v.weight])
+    return qkv.weight.view(3, -1, qkv.weight.shape[-1])
 
 
 def _heads_in_place(attn: nn.Module, matrices: dict[str, torch.Tensor], i: int) -> bool:
@@ -164,10 +164,10 @@ def _heads_in_place(attn: nn.Module, matrices: dict[str, torch.Tensor], i: int) 
     if f"{i}.q0" not in matrices or not heads:
         return False
     with torch.no_grad():
-        parts, w_o = _qkv_parts(attn), attn.proj.weight
-        if any(w.shape[0] != heads * width for w in parts) or w_o.shape[1] != heads * width:
+        parts, w_o = _qkv_rows(attn), attn.proj.weight
+        if parts.shape[1] != heads * width or w_o.shape[1] != heads * width:
             return False
-        rows, columns = torch.stack(parts).view(3, heads, width, -1), w_o.view(w_o.shape[0], heads, width)
+        rows, columns = parts.view(3, heads, width, -1), w_o.view(w_o.shape[0], heads, width)
         return all(torch.equal(matrices[f"{i}.{part}{h}"], rows[p, h])
                    and torch.equal(matrices[f"{i}.o{h}"], columns[:, h])
                    for p, part in enumerate("qkv") for h in range(heads))
