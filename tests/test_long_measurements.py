@@ -17,7 +17,8 @@ import pytest
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 TINY = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]
 AUTOATTACK = ["--robustness.test_attacks", "[autoattack]", "--robustness.autoattack_num_points", "48",
-              "--robustness.batch_size", "16", "--lipschitz.every_n_epochs", "0"]
+              "--robustness.batch_size", "48", "--robustness.autoattack_batch_size", "16",
+              "--lipschitz.every_n_epochs", "0"]  # AutoAttack's own batches: a SIGTERM in the second keeps the first
 
 
 def command() -> list[str]:
@@ -82,7 +83,7 @@ def test_sigterm_mid_autoattack_stops_within_seconds_and_a_rerun_resumes(checkpo
     partial = json.loads((stopped.parent / "results.json").read_text())
     assert partial["complete"] is False and "stopped by SIGTERM" in partial["robustness"]["interrupted"]
     attacked = partial["robustness"].get("attacks", {}).get("autoattack_Linf_2/255", {}).get("points", 0)
-    assert attacked % 16 == 0 and 16 <= attacked < 48  # whole batches, with their number of points
+    assert attacked % 16 == 0 and 16 <= attacked < 48  # whole AutoAttack batches, with their number of points
     kept = list((stopped.parent / "measurements").glob("*/*.pt"))
     assert kept  # the clean pass at least: a rerun starts from there
     # the rerun resumes and ends with the numbers of an uninterrupted run

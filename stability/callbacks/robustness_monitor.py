@@ -58,7 +58,11 @@ class RobustnessMonitor(L.Callback):
             (None: as FGSM and PGD); its clean accuracy on them is logged as ``autoattack_clean``.
         certified_radii: ℓ2 radii at which certified accuracy is logged besides the attack budgets.
         pgd_steps: PGD iterations (step size 2.5·ε/steps).
-        batch_size: points attacked at once.
+        batch_size: points measured and attacked at once.
+        autoattack_batch_size: points the official AutoAttack (and ``autoattack_tap``) attacks at once (None:
+            ``batch_size``). A batch is the unit a stopped test resumes from, so on a CPU, where a batch of points
+            that resist takes an hour, smaller batches lose less to a SIGTERM; on a GPU larger ones cost little more
+            per batch. The batches' seeds (seed + b) make the numbers depend on it.
         seed: base seed (batch b uses seed + b).
     """
 
@@ -70,7 +74,7 @@ class RobustnessMonitor(L.Callback):
                  autoattack_version: str = "standard", attack_num_points: int | None = None,
                  autoattack_num_points: int | None = None,
                  certified_radii: Sequence[float] = (0.1, 0.25, 0.5, 1.0), pgd_steps: int = 10,
-                 batch_size: int = 256, seed: int = 0) -> None:
+                 batch_size: int = 256, autoattack_batch_size: int | None = None, seed: int = 0) -> None:
         for name in (*attacks, *test_attacks):
             if name not in ATTACKS:
                 raise ValueError(f"unknown attack {name!r}; choose from {ATTACKS}")
@@ -81,6 +85,8 @@ class RobustnessMonitor(L.Callback):
                              ("autoattack_num_points", autoattack_num_points)):
             if value is not None and value < 1:
                 raise ValueError(f"{label} must be >= 1 or None (all points), got {value}")
+        if autoattack_batch_size is not None and autoattack_batch_size < 1:
+            raise ValueError(f"autoattack_batch_size must be >= 1 or None (batch_size), got {autoattack_batch_size}")
         if any(r < 0 for r in certified_radii):
             raise ValueError(f"certified_radii must be >= 0, got {list(certified_radii)}")
         self.every_n_epochs, self.num_points, self.test_num_points = every_n_epochs, num_points, test_num_points
@@ -91,6 +97,7 @@ class RobustnessMonitor(L.Callback):
         self.attack_num_points = attack_num_points
         self.certified_radii, self.pgd_steps, self.batch_size, self.seed = tuple(certified_radii), pgd_steps, \
             batch_size, seed
+        self.autoattack_batch_size = batch_size if autoattack_batch_size is None else autoattack_batch_size
         AttackSettings(10, pgd_steps, None, autoattack_version, seed)  # validates the version
         self._said_no_bound = False
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
@@ -140,7 +147,7 @@ class RobustnessMonitor(L.Callback):
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("robustness-" + store_key(
                     network, dataset, settings, [(s.label, prefix[s.label]) for s in specs], count, self.batch_size,
-                    self.certified_radii))
+                    self.certified_radii, self.autoattack_batch_size))
             session = Session.of(trainer, f"robustness ({stage})", store)
 
             def clean(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -163,7 +170,7 @@ class RobustnessMonitor(L.Callback):
                 if specs:
                     self._say_plan(network, dataset, specs, prefix, count, settings, pl_module.device, stage)
                 for spec in specs:  # each attack over its points in turn: batch b attacked with seed + b, as ever
-                    batches_of[spec.label] = measure_batches(dataset, prefix[spec.label], self.batch_size,
+                    batches_of[spec.label] = measure_batches(dataset, prefix[spec.label], self._batch_size(spec),
                                                              pl_module.device, attack(spec), session, spec.label,
                                                              network)
             except MeasurementInterrupted as stopped:
@@ -173,6 +180,9 @@ class RobustnessMonitor(L.Callback):
         session.finished()
         self._record(trainer, pl_module, stage, _concatenated(batches_of), specs, prefix, count, bound, reason,
                      dataset)
+
+    def _batch_size(self, spec: AttackSpec) -> int:
+        return self.autoattack_batch_size if spec.name.startswith("autoattack") else self.batch_size
 
     def _say_plan(self, network, dataset, specs, prefix, count, settings, device, stage: tags.Stage) -> None:
         """One line before the first attack: what runs on how many points, an upper bound on its time on this machine
@@ -186,9 +196,9 @@ class RobustnessMonitor(L.Callback):
             if spec.name == "autoattack":  # the official one: its calls per batch, timed once per norm and points
                 key = (spec.norm, prefix[spec.label])
                 if key not in official:  # its cost does not depend on the budget ε
-                    official[key] = autoattack_seconds(network, images, labels, prefix[spec.label], self.batch_size,
-                                                       spec.norm, spec.eps, settings.autoattack_version,
-                                                       settings.num_classes)
+                    official[key] = autoattack_seconds(network, images, labels, prefix[spec.label],
+                                                       self.autoattack_batch_size, spec.norm, spec.eps,
+                                                       settings.autoattack_version, settings.num_classes)
                 seconds += official[key]
             else:
                 seconds += attack_passes(spec, settings) * prefix[spec.label] * per_pass
