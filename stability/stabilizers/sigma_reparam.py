@@ -11,6 +11,8 @@ As in the reference code (apple/ml-sigma-reparam, ``SNLinear``):
   σ = vᵀ W u with the gradient through W only; u is a buffer (saved in checkpoints), initialised to W's top right
   singular vector and updated only in training mode;
 * the power iteration runs in float32 with autocast off (the reference's ``FP32SpectralNormedWeight``).
+* in a forward of the network, the weights of one shape take their power step together (one batched product per
+  shape, :mod:`~stability.nn.grouped_parametrization`): the same arithmetic, a weight's launches no longer per layer.
 
 Ŵ's spectral norm is γ, learned: the reparametrisation does not cap anything, it decouples the update of the
 spectral norm from the update of the direction, which keeps the attention entropy from collapsing (their Theorem 3.1
@@ -26,12 +28,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..models import norm_sites
+from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights
 from ..nn.precision import at_least_float32
 from .base import Stabilizer, register_stabilizer
 
 
-class SigmaReparametrization(nn.Module):
-    """The parametrisation W ↦ (γ/σ₁(W))·W of one weight (``torch.nn.utils.parametrize``)."""
+class SigmaReparametrization(GroupedParametrization):
+    """The parametrisation W ↦ (γ/σ₁(W))·W of one weight (``torch.nn.utils.parametrize``); the weights of one shape
+    are computed together in a network's forward (:mod:`~stability.nn.grouped_parametrization`)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -41,7 +45,7 @@ class SigmaReparametrization(nn.Module):
         self.register_buffer("sigma", s[:1].clone())  # the last estimate of σ₁(W), for reading
         self.gamma = nn.Parameter(s[:1].clone())
 
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+    def single(self, weight: torch.Tensor) -> torch.Tensor:
         with torch.autocast(weight.device.type, enabled=False):
             matrix = weight.flatten(1).to(torch.promote_types(weight.dtype, torch.float32))  # float32, or float64
             with torch.no_grad():
@@ -53,6 +57,23 @@ class SigmaReparametrization(nn.Module):
             if self.training:
                 self.sigma.copy_(sigma.detach().reshape(1))
         return weight * (self.gamma / sigma).to(weight.dtype)
+
+    @classmethod
+    def grouped(cls, members, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`single` for G weights of one shape at once: ``weights`` (G, …) → (G, …)."""
+        with torch.autocast(weights.device.type, enabled=False):
+            matrices = weights.flatten(2).to(torch.promote_types(weights.dtype, torch.float32))  # (G, m, n)
+            with torch.no_grad():
+                u = torch.stack([m.u for m in members]).to(matrices.dtype)
+                v = F.normalize(torch.bmm(matrices, u.unsqueeze(-1)).squeeze(-1), dim=-1)
+                u = F.normalize(torch.bmm(matrices.transpose(1, 2), v.unsqueeze(-1)).squeeze(-1), dim=-1)
+            sigma = torch.bmm(torch.bmm(v.unsqueeze(1), matrices), u.unsqueeze(-1)).reshape(-1)  # vᵀ W u
+            if members[0].training:
+                torch._foreach_copy_([m.u for m in members], list(u.unbind(0)))
+                torch._foreach_copy_([m.sigma for m in members], list(sigma.detach().unsqueeze(-1).unbind(0)))
+            gamma = torch.cat([m.gamma for m in members])
+        scale = (gamma / sigma).to(weights.dtype)
+        return weights * scale.view(-1, *([1] * (weights.dim() - 1)))
 
 
 @register_stabilizer
@@ -73,15 +94,19 @@ class SigmaReparam(Stabilizer):
     def __init__(self, convolutions: bool = True, remove_norms: bool = False) -> None:
         self.convolutions, self.remove_norms = convolutions, remove_norms
         self._parametrizations: list[SigmaReparametrization] = []
+        self._grouped: GroupedWeights | None = None
 
     def prepare(self, network: nn.Module) -> None:
         kinds = (nn.Linear, nn.Conv2d) if self.convolutions else (nn.Linear,)
+        holders = []
         for name, module in network.named_modules():
             if isinstance(module, kinds):
                 if parametrize.is_parametrized(module, "weight"):
                     raise ValueError(f"sigma_reparam: {name}.weight is parametrised already (by another stabilizer)")
                 parametrize.register_parametrization(module, "weight", SigmaReparametrization(module.weight))
                 self._parametrizations.append(module.parametrizations.weight[0])
+                holders.append(module.parametrizations.weight)
+        self._grouped = GroupedWeights(network, [(holder, holder[0]) for holder in holders])
         if self.remove_norms:
             for site in norm_sites(network.backbone):
                 site.replace(nn.Identity())

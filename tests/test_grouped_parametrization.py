@@ -1,0 +1,134 @@
+"""Parametrised weights computed a shape group at a time (stability/nn/grouped_parametrization.py) against each
+weight's own computation: the same training steps, losses, gradients and power-iteration buffers, in float64 to 1e-10
+and in float32 to 1e-5; a planted stale power-iteration vector fails; and the grouped step launches fewer kernels."""
+import copy
+
+import pytest
+import torch
+
+from stability.classifier import ImageClassifier
+from stability.models import without_dropout
+from stability.testing.gpu_model import count
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def build(stabilizer: str, options=None, backbone: str = "vit", dtype=torch.float32):
+    torch.manual_seed(0)
+    size, backbone_options = ((8, dict(embed_dim=16, depth=2, num_heads=2)) if backbone == "vit" else
+                              (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2))))
+    module = without_dropout(ImageClassifier(backbone=backbone, image_size=size, backbone_options=backbone_options,
+                                             stabilizer=stabilizer, stabilizer_options=options))
+    return module.to(dtype)
+
+
+def ungrouped(module):
+    """A copy of ``module`` whose parametrisations each compute their own weight (the reference)."""
+    other = copy.deepcopy(module)
+    for stabilizer in other.stabilizers:
+        stabilizer._grouped.remove()
+    return other
+
+
+def train(module, steps: int, dtype, stale=None) -> list[float]:
+    """``steps`` SGD steps on fixed random images; the losses."""
+    generator = torch.Generator().manual_seed(1)
+    size = module.hparams.image_size
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    losses = []
+    module.train()
+    for _ in range(steps):
+        x = torch.rand(4, 1, size, size, generator=generator).to(dtype)
+        y = torch.randint(0, 10, (4,), generator=generator)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module.network(x), y)
+        loss.backward()
+        optimizer.step()
+        if stale is not None:
+            stale(module)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, tolerance: float, what: str) -> None:
+    scale = max(float(b.abs().max()), 1e-30)
+    assert float((a - b).abs().max()) <= tolerance * scale, (what, float((a - b).abs().max()) / scale)
+
+
+def compare(grouped, reference, dtype) -> None:
+    tolerance = TOLERANCE[dtype]
+    for (name, a), (_, b) in zip(grouped.state_dict().items(), reference.state_dict().items()):
+        assert_close(a, b, tolerance, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("backbone", ["vit", "swin"])
+def test_sigma_reparam_grouped_equals_each_weight_on_its_own(dtype, backbone):
+    grouped = build("sigma_reparam", backbone=backbone, dtype=dtype)
+    reference = ungrouped(grouped)
+    losses = train(grouped, 3, dtype)
+    expected = train(reference, 3, dtype)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= TOLERANCE[dtype]
+    compare(grouped, reference, dtype)  # weights, γ, u and σ after three steps
+    x = torch.rand(3, 1, grouped.hparams.image_size, grouped.hparams.image_size, dtype=dtype)
+    grouped.eval(), reference.eval()
+    with torch.no_grad():
+        assert_close(grouped.network(x), reference.network(x), TOLERANCE[dtype], "logits (eval)")
+
+
+def test_a_stale_power_iteration_vector_fails_the_comparison():
+    def restore_u(saved):
+        def stale(module):  # the planted error: the grouped step's u never reaches the buffers
+            for p, u in zip(module.stabilizers[0]._parametrizations, saved):
+                p.u.copy_(u)
+        return stale
+
+    grouped = build("sigma_reparam", dtype=torch.float64)
+    saved = [p.u.clone() for p in grouped.stabilizers[0]._parametrizations]
+    reference = ungrouped(grouped)
+    train(grouped, 3, torch.float64, stale=restore_u(saved))
+    train(reference, 3, torch.float64)
+    with pytest.raises(AssertionError):
+        compare(grouped, reference, torch.float64)
+
+
+def test_a_copy_computes_its_own_weights():
+    module = build("sigma_reparam", dtype=torch.float64)
+    copied = copy.deepcopy(module)
+    with torch.no_grad():
+        original = copied.network.backbone.blocks[0].mlp.fc1.parametrizations.weight.original
+        original.add_(torch.randn_like(original))  # (a scale alone: σReparam divides it out)
+    x = torch.rand(2, 1, 8, 8, dtype=torch.float64)
+    module.eval(), copied.eval()
+    with torch.no_grad():
+        reference = ungrouped(copied)
+        assert_close(copied.network(x), reference.network(x), 1e-10, "the copy's logits")
+        assert not torch.allclose(copied.network(x), module.network(x))
+
+
+def test_outside_a_forward_each_weight_is_its_own():
+    module = build("sigma_reparam", dtype=torch.float64).train()
+    linear = module.network.backbone.blocks[0].mlp.fc1
+    parametrization = linear.parametrizations.weight[0]
+    u = parametrization.u.clone()
+    assert linear.weight.shape == (64, 16)  # read alone: one power-iteration step of its own
+    assert not torch.equal(u, parametrization.u) and parametrization._grouped is None
+
+
+def test_the_grouped_weights_launch_as_many_kernels_at_any_depth():
+    """Each shape group costs the same launches however many weights it holds: a block more adds none over the plain
+    network's, where each weight on its own adds ≈ 28 (a power-iteration step and its backward)."""
+    def extra_launches(stabilizer: str, depth: int, group: bool = True) -> float:
+        torch.manual_seed(0)
+        options = dict(embed_dim=16, depth=depth, num_heads=2)
+        module = without_dropout(ImageClassifier(backbone="vit", image_size=8, backbone_options=options,
+                                                 stabilizer=stabilizer)).train()
+        plain = without_dropout(ImageClassifier(backbone="vit", image_size=8, backbone_options=options)).train()
+        module = module if group else ungrouped(module)
+        x = torch.rand(2, 1, 8, 8)
+        return (count(lambda: module.network(x).sum().backward()).launches
+                - count(lambda: plain.network(x).sum().backward()).launches)
+
+    assert extra_launches("sigma_reparam", 4) == extra_launches("sigma_reparam", 2)
+    per_block = (extra_launches("sigma_reparam", 4, group=False) - extra_launches("sigma_reparam", 2, group=False)) / 2
+    assert per_block >= 4 * 20  # four weights a block, each a power-iteration step and its backward
