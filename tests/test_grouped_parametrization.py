@@ -11,6 +11,8 @@ from stability.models import without_dropout
 from stability.testing.gpu_model import count
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+PARAMETRISED = {"sigma_reparam": None,  # (the reference: each weight's own step, torch's spectral_norm's forward)
+                "spectral_norm": {"spectral_norm": {"mode": "parametrize", "sigma_max": 2.0}}}
 
 
 def build(stabilizer: str, options=None, backbone: str = "vit", dtype=torch.float32):
@@ -63,30 +65,32 @@ def compare(grouped, reference, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("backbone", ["vit", "swin"])
-def test_sigma_reparam_grouped_equals_each_weight_on_its_own(dtype, backbone):
-    grouped = build("sigma_reparam", backbone=backbone, dtype=dtype)
+@pytest.mark.parametrize("stabilizer", PARAMETRISED)
+def test_grouped_weights_equal_each_weight_on_its_own(stabilizer, dtype, backbone):
+    grouped = build(stabilizer, PARAMETRISED[stabilizer], backbone=backbone, dtype=dtype)
     reference = ungrouped(grouped)
     losses = train(grouped, 3, dtype)
     expected = train(reference, 3, dtype)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= TOLERANCE[dtype]
-    compare(grouped, reference, dtype)  # weights, γ, u and σ after three steps
+    compare(grouped, reference, dtype)  # weights, γ, the power iteration's vectors and σ after three steps
     x = torch.rand(3, 1, grouped.hparams.image_size, grouped.hparams.image_size, dtype=dtype)
     grouped.eval(), reference.eval()
     with torch.no_grad():
         assert_close(grouped.network(x), reference.network(x), TOLERANCE[dtype], "logits (eval)")
 
 
-def test_a_stale_power_iteration_vector_fails_the_comparison():
-    def restore_u(saved):
-        def stale(module):  # the planted error: the grouped step's u never reaches the buffers
-            for p, u in zip(module.stabilizers[0]._parametrizations, saved):
-                p.u.copy_(u)
-        return stale
+@pytest.mark.parametrize("stabilizer, vector", [("sigma_reparam", "u"), ("spectral_norm", "_u")])
+def test_a_stale_power_iteration_vector_fails_the_comparison(stabilizer, vector):
+    grouped = build(stabilizer, PARAMETRISED[stabilizer], dtype=torch.float64)
+    members = [holder[0] for holder, _ in grouped.stabilizers[0]._grouped.members]
+    saved = [getattr(m, vector).clone() for m in members]
 
-    grouped = build("sigma_reparam", dtype=torch.float64)
-    saved = [p.u.clone() for p in grouped.stabilizers[0]._parametrizations]
+    def stale(module):  # the planted error: the grouped step's vector never reaches the buffers
+        for member, value in zip(members, saved):
+            getattr(member, vector).copy_(value)
+
     reference = ungrouped(grouped)
-    train(grouped, 3, torch.float64, stale=restore_u(saved))
+    train(grouped, 3, torch.float64, stale=stale)
     train(reference, 3, torch.float64)
     with pytest.raises(AssertionError):
         compare(grouped, reference, torch.float64)
@@ -122,13 +126,15 @@ def test_the_grouped_weights_launch_as_many_kernels_at_any_depth():
         torch.manual_seed(0)
         options = dict(embed_dim=16, depth=depth, num_heads=2)
         module = without_dropout(ImageClassifier(backbone="vit", image_size=8, backbone_options=options,
-                                                 stabilizer=stabilizer)).train()
+                                                 stabilizer=stabilizer,
+                                                 stabilizer_options=PARAMETRISED[stabilizer])).train()
         plain = without_dropout(ImageClassifier(backbone="vit", image_size=8, backbone_options=options)).train()
         module = module if group else ungrouped(module)
         x = torch.rand(2, 1, 8, 8)
         return (count(lambda: module.network(x).sum().backward()).launches
                 - count(lambda: plain.network(x).sum().backward()).launches)
 
-    assert extra_launches("sigma_reparam", 4) == extra_launches("sigma_reparam", 2)
-    per_block = (extra_launches("sigma_reparam", 4, group=False) - extra_launches("sigma_reparam", 2, group=False)) / 2
-    assert per_block >= 4 * 20  # four weights a block, each a power-iteration step and its backward
+    for stabilizer in PARAMETRISED:
+        assert extra_launches(stabilizer, 4) == extra_launches(stabilizer, 2), stabilizer
+        per_block = (extra_launches(stabilizer, 4, group=False) - extra_launches(stabilizer, 2, group=False)) / 2
+        assert per_block >= 4 * 15, stabilizer  # four weights a block, each a power-iteration step and its backward

@@ -27,11 +27,10 @@ class GroupedParametrization(nn.Module):
     """A parametrisation whose members of one shape can be computed together.
 
     Subclasses define :meth:`single` (one matrix: the reference) and :meth:`grouped` (a stack of them); ``forward``
-    returns the slice the group computed for the current network forward, when there is one."""
+    returns the slice the group computed for the current network forward, when there is one. (No ``__init__``: it
+    can come first in the bases of an existing parametrisation, such as torch's spectral norm.)"""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._grouped: torch.Tensor | None = None  # this member's effective weight during a grouped forward
+    _grouped: torch.Tensor | None = None  # this member's effective weight during a grouped forward
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return self.single(weight) if self._grouped is None else self._grouped

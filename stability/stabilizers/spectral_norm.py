@@ -2,10 +2,10 @@
 
 Two ways, chosen with ``mode``:
 
-* ``parametrize``: W_eff = σ_max · W / σ̂(W) through
-  ``torch.nn.utils.parametrizations.spectral_norm`` (σ̂ by one power iteration per training
-  forward, on persistent vectors). The effective weight has σ₁ = σ_max (up to the power
-  iteration's error), not merely ≤; the raw parameter is unconstrained.
+* ``parametrize``: W_eff = σ_max · W / σ̂(W) as ``torch.nn.utils.parametrizations.spectral_norm``
+  computes it (σ̂ by one power iteration per training forward, on persistent vectors; torch's buffers and keys),
+  the weights of one shape together in a forward of the network (:class:`GroupedSpectralNorm`). The effective
+  weight has σ₁ = σ_max (up to the power iteration's error), not merely ≤; the raw parameter is unconstrained.
 * ``project``: after every optimizer step, W ← W / max(1, σ₁(W)/σ_max): the stored weight itself is
   capped, and a weight below the cap is left alone. How σ₁ is known, ``method``:
 
@@ -34,23 +34,49 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import spectral_norm as torch_spectral_norm
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 from ..models import linear_layers
+from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights
 from ..nn.spectral import SubspaceIteration, spectral_norms
 from .base import Stabilizer, register_stabilizer
 
 
-class _Scale(nn.Module):
-    def __init__(self, factor: float) -> None:
-        super().__init__()
-        self.factor = factor
+class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
+    """torch's spectral normalisation of a Linear weight (``torch.nn.utils.parametrizations.spectral_norm``: its
+    buffers, initialisation and state-dict keys), whose weights of one shape are computed together in a forward of
+    the network (:mod:`~stability.nn.grouped_parametrization`): u ← normalise(W v), v ← normalise(Wᵀ u) per training
+    forward, σ = uᵀ W v, W / σ. The grouped step runs in the weights' precision with autocast off (torch's own
+    matrix–vector products follow autocast, bf16 on a GPU)."""
 
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return self.factor * weight
+    def __init__(self, weight: torch.Tensor, factor: float = 1.0) -> None:
+        super().__init__(weight)  # torch's defaults: one power iteration, dim 0, eps 1e-12
+        self.factor = factor  # σ_max: the effective weight's σ₁
+
+    def single(self, weight: torch.Tensor) -> torch.Tensor:
+        normalised = _SpectralNorm.forward(self, weight)
+        return normalised if self.factor == 1.0 else self.factor * normalised
+
+    @classmethod
+    def grouped(cls, members, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`single` for G matrices of one shape at once: ``weights`` (G, m, n) → (G, m, n)."""
+        first = members[0]
+        with torch.autocast(weights.device.type, enabled=False):
+            with torch.no_grad():
+                u = torch.stack([m._u for m in members])
+                v = torch.stack([m._v for m in members])
+                if first.training:
+                    for _ in range(first.n_power_iterations):
+                        u = F.normalize(torch.bmm(weights, v.unsqueeze(-1)).squeeze(-1), dim=-1, eps=first.eps)
+                        v = F.normalize(torch.bmm(weights.mH, u.unsqueeze(-1)).squeeze(-1), dim=-1, eps=first.eps)
+                    torch._foreach_copy_([m._u for m in members], list(u.unbind(0)))
+                    torch._foreach_copy_([m._v for m in members], list(v.unbind(0)))
+            sigma = (u * torch.bmm(weights, v.unsqueeze(-1)).squeeze(-1)).sum(-1)  # uᵀ (W v), as torch's vdot
+        return weights * (first.factor / sigma).view(-1, 1, 1)
 
 
 @register_stabilizer
@@ -89,6 +115,7 @@ class SpectralNorm(Stabilizer):
         self.sigma_max, self.mode, self.layers = sigma_max, mode, layers
         self.method, self.iterations, self.check_every, self.tolerance = method, iterations, check_every, tolerance
         self._power: SubspaceIteration | None = None
+        self._grouped: GroupedWeights | None = None  # ``parametrize``: the weights' power steps, a shape at a time
         self.largest_excess = 0.0  # relative excess over the cap found at the exact checks so far
         self.exact_computations = 0  # exact σ₁'s computed (``exact``: per step, where the bound reaches the cap)
         self._warned = False
@@ -98,10 +125,11 @@ class SpectralNorm(Stabilizer):
         if not linears:
             raise ValueError(f"spectral_norm: no Linear layers selected by layers={self.layers!r}")
         if self.mode == "parametrize":
-            for linear in linears:
-                torch_spectral_norm(linear)
-                if self.sigma_max != 1.0:
-                    parametrize.register_parametrization(linear, "weight", _Scale(self.sigma_max))
+            for linear in linears:  # as torch's spectral_norm(linear), times σ_max
+                parametrize.register_parametrization(linear, "weight",
+                                                     GroupedSpectralNorm(linear.weight, self.sigma_max))
+            self._grouped = GroupedWeights(network, [(linear.parametrizations.weight,
+                                                      linear.parametrizations.weight[0]) for linear in linears])
             return
         self._project_exactly([linear.weight for linear in linears])  # a certified start
         if self.method == "iterative":
