@@ -141,8 +141,27 @@ def verdict(ratio: float, target: float | None) -> str:
     return "met" if ratio <= target else f"missed by {100 * (ratio / target - 1):.1f}%"
 
 
+def operator_table(step, device: torch.device, top: int = 15) -> str:
+    """The ``top`` operators of one step (after a warm-up step) by their own time on the device (CUDA: the kernels'
+    time; the CPU: host time), with their calls and share of the step: where a row's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as profiler:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in profiler.key_averages() if getattr(e, key) > 0]
+    total = sum(getattr(e, key) for e in events)
+    rows = [[e.key[:80], e.count, getattr(e, key) / 1e3, f"{100 * getattr(e, key) / total:.1f}%"]
+            for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]]
+    return markdown(["operator", "calls", f"ms ({'device' if cuda else 'host'}, own)", "share"], rows)
+
+
 def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.device, repeats: int,
-            precision: str) -> list[list]:
+            precision: str, profiled: tuple[str, ...] = (), sections: list[str] | None = None) -> list[list]:
     image_size, options = geometry(backbone, size, tokens)
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(batch, 3, image_size, image_size, generator=generator).to(device)
@@ -160,6 +179,10 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
         memory[case.label] = peak_memory(steps[case.label], device)
         modules[case.label] = module
     seconds = interleaved(steps, device, repeats)
+    for label in profiled:
+        if label in steps and sections is not None:
+            sections.append(f"### {label}: {backbone}:{size}, {tokens} tokens, {precision}\n\n"
+                            + operator_table(steps[label], device))
     capped = modules["spectral_norm project, at the cap"].stabilizers[0]
     check = sorted(time_once(lambda: capped.check(capped._weights()), device) for _ in range(3))[1]
     rows = []
@@ -346,6 +369,8 @@ def main() -> None:
                         "from the model fitted to --measured (default: the H200 table; at its shapes)")
     p.add_argument("--measured", default=str(H200_TABLE), help="a step_cost.py table of GPU times to fit the model to")
     p.add_argument("--cases", default=None, help="--count: only these rows (labels separated by ';')")
+    p.add_argument("--profile", default="", help="rows (labels separated by ';') whose step is also profiled: its "
+                                                 "operators by their own device time (host time on the CPU)")
     p.add_argument("--recount", action="store_true", help="--count: count again the rows kept in <out>.json")
     p.add_argument("--fit_counts", default=None, help="--count: fit the model to these counts (a <out>.json of the "
                                                       "code the GPU table measured) and predict the current code's")
@@ -369,13 +394,18 @@ def main() -> None:
         raise SystemExit(f"--precision {unknown}: choose fp32, bf16 or both")
     if args.quick:
         args.backbones, args.sizes, args.tokens, args.batch, args.repeats = "vit:micro", "micro", "16", 2, 1
-    rows = []
+    rows, sections = [], []
+    profiled = tuple(label for label in args.profile.split(";") if label)
+    unknown = [label for label in profiled if label not in {c.label for c in CASES}]
+    if unknown:
+        raise SystemExit(f"--profile {unknown}: choose from {[c.label for c in CASES]}")
     models = [(entry.partition(":")[0], size) for entry in args.backbones.split(",")
               for size in ([entry.partition(":")[2]] if ":" in entry else args.sizes.split(","))]
     for precision in precisions:
         for backbone, size in models:
             for tokens in (int(t) for t in args.tokens.split(",")):
-                rows += measure(backbone, size, tokens, args.batch, device, args.repeats, precision)
+                rows += measure(backbone, size, tokens, args.batch, device, args.repeats, precision, profiled,
+                                sections)
     header = ["backbone", "size", "tokens", "precision", "stabilizer", "ms / step", "time ratio", "target", "verdict",
               f"memory MiB ({memory_label(device)})", "memory ratio"]
     body = (f"Batch {args.batch}, median of {args.repeats} interleaved steps after 2 warm-up rounds; ratios to the "
@@ -383,7 +413,8 @@ def main() -> None:
             f"forward under bf16 autocast, as `--trainer.precision bf16-mixed`. Memory: {memory_label(device)} during "
             f"one step after a warm-up step"
             + ("." if device.type == "cuda" else " (CPU keeps no allocator peak), each storage once.")
-            + "\n\n" + markdown(header, rows))
+            + "\n\n" + markdown(header, rows)
+            + ("\n\n## Where the profiled rows' time goes\n\n" + "\n\n".join(sections) if sections else ""))
     write("step_cost", args, device, "Training-step cost per stabilizer", body)
 
 

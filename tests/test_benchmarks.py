@@ -8,8 +8,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_benchmark(script: str, out: Path) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
+def run_benchmark(script: str, out: Path, *extra: str) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
@@ -23,8 +23,13 @@ def table_rows(text: str) -> list[list[str]]:
 
 
 def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
-    text = run_benchmark("step_cost.py", tmp_path / "step.md")
-    rows = {row[4]: row for row in table_rows(text)}
+    text = run_benchmark("step_cost.py", tmp_path / "step.md", "--profile", "jasmin k=10")
+    table, _, profiled = text.partition("## Where the profiled rows' time goes")
+    rows = {row[4]: row for row in table_rows(table)}
+    operators = table_rows(profiled)  # JaSMin's step by operator, its own time, largest first
+    assert "### jasmin k=10: vit:micro, 16 tokens, fp32" in profiled and "aten::mm" in [row[0] for row in operators]
+    shares = [float(row[3].rstrip("%")) for row in operators]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100.01
     assert {"none", "jasmin k=10", "jasmin k=10, streamed", "specformer", "spectral_norm project",
             "spectral_norm project, at the cap", "spectral_norm project, exact, at the cap", "lipsformer",
             "muon soft_cap", "muon hard_cap", "muon hard_cap, exact"} <= set(rows)

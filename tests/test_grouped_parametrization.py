@@ -138,3 +138,27 @@ def test_the_grouped_weights_launch_as_many_kernels_at_any_depth():
         assert extra_launches(stabilizer, 4) == extra_launches(stabilizer, 2), stabilizer
         per_block = (extra_launches(stabilizer, 4, group=False) - extra_launches(stabilizer, 2, group=False)) / 2
         assert per_block >= 4 * 15, stabilizer  # four weights a block, each a power-iteration step and its backward
+
+
+@pytest.mark.parametrize("stabilizer", PARAMETRISED)
+def test_the_grouped_power_iteration_takes_no_tf32_product_where_training_allows_tf32(stabilizer):
+    """On a GPU that allows TF32 for training, a batched product in float32 would round its factors to 10 bits; each
+    weight's own matrix–vector products (``mv``, and the outer products of their backward) never do. The grouped
+    step's products run in IEEE float32 (counted here by the precision each product would take on a GPU): it adds
+    matrix FLOPs in float32 and none in TF32 to the plain network's step."""
+    from stability.nn.precision import allow_tf32_training
+
+    def flops(module):
+        x = torch.rand(2, 1, 8, 8)
+        return count(lambda: module.network(x).sum().backward()).flops
+
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        allow_tf32_training()
+        grouped, plain = build(stabilizer, PARAMETRISED[stabilizer]).train(), build("none").train()
+        added, base = flops(grouped), flops(plain)
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+    assert added.get("tf32", 0.0) == base.get("tf32", 0.0) > 0
+    assert added.get("fp32", 0.0) > base.get("fp32", 0.0)

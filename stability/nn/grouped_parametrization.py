@@ -23,6 +23,13 @@ import torch
 from torch import nn
 
 
+def bilinear(left: torch.Tensor, matrices: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """leftᵀ W right for each of G matrices, (G, m), (G, m, n), (G, n) → (G,), differentiable in W, elementwise: its
+    gradient left rightᵀ is exact in float32 (as the outer product of one matrix's ``mv`` backward), where a batched
+    product with an inner dimension of 1 would round its factors to TF32 on a GPU that allows it."""
+    return (matrices * (left.unsqueeze(-1) * right.unsqueeze(-2))).sum((-2, -1))
+
+
 class GroupedParametrization(nn.Module):
     """A parametrisation whose members of one shape can be computed together.
 

@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..models import norm_sites
-from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights
-from ..nn.precision import at_least_float32
+from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, bilinear
+from ..nn.precision import at_least_float32, ieee_float32
 from .base import Stabilizer, register_stabilizer
 
 
@@ -63,11 +63,11 @@ class SigmaReparametrization(GroupedParametrization):
         """:meth:`single` for G weights of one shape at once: ``weights`` (G, …) → (G, …)."""
         with torch.autocast(weights.device.type, enabled=False):
             matrices = weights.flatten(2).to(torch.promote_types(weights.dtype, torch.float32))  # (G, m, n)
-            with torch.no_grad():
+            with torch.no_grad(), ieee_float32():  # matrix–vector products, as each weight's own: no TF32
                 u = torch.stack([m.u for m in members]).to(matrices.dtype)
                 v = F.normalize(torch.bmm(matrices, u.unsqueeze(-1)).squeeze(-1), dim=-1)
                 u = F.normalize(torch.bmm(matrices.transpose(1, 2), v.unsqueeze(-1)).squeeze(-1), dim=-1)
-            sigma = torch.bmm(torch.bmm(v.unsqueeze(1), matrices), u.unsqueeze(-1)).reshape(-1)  # vᵀ W u
+            sigma = bilinear(v, matrices, u)
             if members[0].training:
                 torch._foreach_copy_([m.u for m in members], list(u.unbind(0)))
                 torch._foreach_copy_([m.sigma for m in members], list(sigma.detach().unsqueeze(-1).unbind(0)))

@@ -41,7 +41,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm
 
 from ..models import linear_layers
-from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights
+from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, bilinear
+from ..nn.precision import ieee_float32
 from ..nn.spectral import SubspaceIteration, spectral_norms
 from .base import Stabilizer, register_stabilizer
 
@@ -66,7 +67,7 @@ class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
         """:meth:`single` for G matrices of one shape at once: ``weights`` (G, m, n) → (G, m, n)."""
         first = members[0]
         with torch.autocast(weights.device.type, enabled=False):
-            with torch.no_grad():
+            with torch.no_grad(), ieee_float32():  # matrix–vector products, as torch's own: no TF32
                 u = torch.stack([m._u for m in members])
                 v = torch.stack([m._v for m in members])
                 if first.training:
@@ -75,7 +76,7 @@ class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
                         v = F.normalize(torch.bmm(weights.mH, u.unsqueeze(-1)).squeeze(-1), dim=-1, eps=first.eps)
                     torch._foreach_copy_([m._u for m in members], list(u.unbind(0)))
                     torch._foreach_copy_([m._v for m in members], list(v.unbind(0)))
-            sigma = (u * torch.bmm(weights, v.unsqueeze(-1)).squeeze(-1)).sum(-1)  # uᵀ (W v), as torch's vdot
+            sigma = bilinear(u, weights, v)
         return weights * (first.factor / sigma).view(-1, 1, 1)
 
 
