@@ -114,6 +114,8 @@ class ImageClassifier(L.LightningModule):
                                                                        for name, reason in refused))
             # kept out of the module tree: the state dict (checkpoints) has the plain network's keys only
             self.__dict__["_compiled_network"] = torch.compile(self.network)
+            for stab in self.stabilizers:
+                stab.compile_terms()
         self._stabilizers_device: torch.device | None = None
         # validate_args=False: torchmetrics' argument checks read values back to the host at every update
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)

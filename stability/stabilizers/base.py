@@ -113,6 +113,10 @@ class Stabilizer:
                     "hooks, which a compiled graph does not call")
         return None
 
+    def compile_terms(self) -> None:
+        """The network trains compiled (``--model.compile true``): compile this stabilizer's per-step work too where
+        it can be (default: nothing to compile)."""
+
     def task_loss(self, step: ForwardStep, default: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         """The objective to optimise instead of ``default(step.logits)`` (the module's cross-entropy), or None."""
         return None

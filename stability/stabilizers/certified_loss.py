@@ -51,6 +51,9 @@ class CertifiedLoss(Stabilizer):
     def prepare(self, network: nn.Module) -> None:
         self.training_bound.prepare(network)
 
+    def compile_terms(self) -> None:
+        self.training_bound.compile()
+
     def margin_bound(self, network: nn.Module) -> MarginBound:
         """The bound of the current weights (with its graph where it is differentiable)."""
         return self.training_bound(network)
