@@ -140,9 +140,9 @@ class TrainingBound:
     def compile(self) -> None:
         """Compose the estimates into the bound in one compiled graph (``--model.compile``). The composition is a
         recursion over the blocks of a few dozen operators on scalars and per-head vectors each, and twice that in
-        its backward (≈ 2,000 launches a step on ViT-S: launch-bound on a GPU), where compiled it is a few fused
-        kernels. The power iteration before it stays eager (its IEEE-float32 blocks set torch's matmul precision,
-        which a graph cannot)."""
+        its backward (≈ 160 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
+        ≈ 13 kernels a block (counted on the CPU: 32 at depth 2, 83 at depth 6). The power iteration before it
+        stays eager (its IEEE-float32 blocks set torch's matmul precision, which a graph cannot)."""
         self._compose = torch.compile(composed_bound, fullgraph=True, dynamic=False)
 
     def _detached(self, bound: MarginBound) -> MarginBound:
