@@ -225,6 +225,33 @@ def test_maxmin_permutes_each_pair_keeps_the_norm_and_is_1_lipschitz():
         MaxMin()(torch.randn(2, 7))
 
 
+def test_maxmins_own_backward_routes_the_gradient_as_autograd_through_the_selects_would():
+    """max_min's backward (the forward's comparison, kept) against autograd through torch.where: equal values and
+    gradients, ties included, on channels and on features; twice differentiable; under torch.func's jacrev and vmap."""
+    from stability.nn.lipschitz_blocks import max_min
+
+    def selects(x, dim):
+        a, b = x.chunk(2, dim=dim)
+        first = a > b
+        return torch.cat([torch.where(first, a, b), torch.where(first, b, a)], dim=dim)
+
+    x = torch.randn(3, 6, 5, 4, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        x[0, 0] = x[0, 3]  # ties along the channels
+        x[1, :, :, 0] = x[1, :, :, 2]  # and along the features
+    grad = torch.randn_like(x)
+    for dim in (1, -1):
+        mine, reference = max_min(x, dim), selects(x, dim)
+        assert torch.equal(mine, reference)
+        assert torch.equal(*(torch.autograd.grad(y, x, grad)[0] for y in (mine, reference)))
+    smooth = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)  # no ties: differentiable everywhere
+    assert torch.autograd.gradcheck(lambda t: max_min(t, 1), (smooth,))
+    assert torch.autograd.gradgradcheck(lambda t: max_min(t, 1), (smooth,))
+    assert torch.equal(torch.func.jacrev(lambda t: max_min(t, -1))(x[0, 0]),
+                       torch.func.jacrev(lambda t: selects(t, -1))(x[0, 0]))
+    assert torch.equal(torch.func.vmap(lambda t: max_min(t, 0))(x), selects(x, 1))
+
+
 @pytest.mark.parametrize("activation, kind", [("relu", nn.ReLU), ("maxmin", MaxMin)])
 @pytest.mark.parametrize("scale, pooling", [(3.0, None), (6.0, AVERAGE_POOL_NO_CLASS_TOKEN)])
 def test_other_activations_keep_both_bounds_above_what_the_network_does(scale, pooling, activation, kind):
