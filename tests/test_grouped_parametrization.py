@@ -162,3 +162,43 @@ def test_the_grouped_power_iteration_takes_no_tf32_product_where_training_allows
         torch.backends.cudnn.allow_tf32 = saved[1]
     assert added.get("tf32", 0.0) == base.get("tf32", 0.0) > 0
     assert added.get("fp32", 0.0) > base.get("fp32", 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stabilizer", PARAMETRISED)
+def test_on_a_gpu_the_grouped_weights_under_bf16_autocast_and_tf32_equal_each_weight_in_ieee_float32(stabilizer):
+    """On CUDA, where training allows TF32 and the forward runs under bf16 autocast, the grouped power iteration
+    stays in IEEE float32 with autocast off: after three training forwards, its power-iteration vectors and the
+    effective weights it gives a forward equal each weight's own, computed in IEEE float32 without autocast, to float32
+    rounding."""
+    from stability.nn.precision import allow_tf32_training, ieee_float32
+
+    device = torch.device("cuda")
+    grouped = build(stabilizer, PARAMETRISED[stabilizer]).to(device)
+    reference = ungrouped(grouped)
+    hooks = grouped.stabilizers[0]._grouped
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    generator = torch.Generator().manual_seed(1)
+    try:
+        allow_tf32_training()
+        grouped.train(), reference.train()
+        for _ in range(3):
+            x = torch.rand(4, 1, 8, 8, generator=generator).to(device)
+            with torch.autocast("cuda", torch.bfloat16):
+                grouped.network(x)
+            with ieee_float32():
+                reference.network(x)
+        grouped.eval(), reference.eval()
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            hooks._before(grouped.network, ())  # the weights a forward would read, as the forward computes them
+            effective = [member._grouped.clone() for _, member in hooks.members]
+            hooks._after(grouped.network, (), None)
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+    with torch.no_grad(), ieee_float32():
+        expected = [m.weight for m in reference.network.modules() if hasattr(m, "parametrizations")]
+    assert len(effective) == len(expected) > 0
+    for index, (weight, reference_weight) in enumerate(zip(effective, expected)):
+        assert_close(weight, reference_weight, 1e-5, f"weight {index}")
+    compare(grouped, reference, torch.float32)  # the vectors and σ after three power steps
