@@ -125,10 +125,15 @@ class ImageClassifier(L.LightningModule):
         self.val_top_class = TopClassShare(num_classes)  # a constant classifier is named, not left unnoticed
         self._said_collapsed = False
 
-    def _training_network(self) -> torch.nn.Module:
-        """The compiled network where there is one and no callback observes this step's forward, else the network."""
+    def _training_network(self, images: torch.Tensor) -> torch.nn.Module:
+        """The compiled network where there is one and no callback observes this step's forward, else the network.
+        The compiled graph takes any batch size (the batch dimension is marked dynamic before the first compile), so
+        an epoch's smaller last batch does not compile it a second time."""
         compiled = self.__dict__.get("_compiled_network")
-        return compiled if compiled is not None and not self.eager_forward else self.network
+        if compiled is None or self.eager_forward:
+            return self.network
+        torch._dynamo.maybe_mark_dynamic(images, 0)
+        return compiled
 
     @property
     def run_name(self) -> str:
@@ -155,7 +160,7 @@ class ImageClassifier(L.LightningModule):
         probs_ctx = capture_attention(backbone) if needs_probs else contextlib.nullcontext([])
         qk_ctx = capture_queries_keys(backbone) if needs_queries_keys else contextlib.nullcontext([])
         with probs_ctx as probs, qk_ctx as queries_keys:
-            logits = self._training_network()(images)
+            logits = self._training_network(images)(images)
         step = ForwardStep(self.network, images, logits, targets, probs, queries_keys, self.global_step,
                            self.__dict__.get("_total_steps", 0))
         replaced = [(s.name, loss) for s in self.stabilizers

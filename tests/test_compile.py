@@ -50,3 +50,14 @@ def test_a_stabilizer_that_hooks_every_step_is_refused_with_the_reason():
         ImageClassifier(backbone_options=TINY, stabilizer="jasmin", compile=True)
     ImageClassifier(backbone_options=TINY, stabilizer="jasmin", compile=True,
                     stabilizer_options={"jasmin": {"lam": 0.0}})  # λ = 0: no hooks, no refusal
+
+
+def test_the_compiled_network_compiles_once_for_every_batch_size():
+    """An epoch's last batch is smaller: the compiled network's graph takes it without a second compilation."""
+    torch._dynamo.reset()
+    module = ImageClassifier(backbone_options=TINY, compile=True).train()
+    images = torch.rand(9, 1, 8, 8)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for batch in (8, 5, 3):
+        module.losses(images[:batch], torch.zeros(batch, dtype=torch.long))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
