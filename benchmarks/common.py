@@ -45,16 +45,17 @@ def setup(args: argparse.Namespace) -> torch.device:
 
 def build_module(backbone: str, size: str, stabilizer: str, options: dict | None = None, *, image_size: int,
                  device: torch.device, backbone_options: dict | None = None, lr: float = 1e-3,
-                 seed: int = 0, in_chans: int = 3) -> tuple[ImageClassifier, torch.optim.Optimizer]:
+                 seed: int = 0, in_chans: int = 3,
+                 compile: bool = False) -> tuple[ImageClassifier, torch.optim.Optimizer]:
     """The module and optimizer a ``stability fit`` with these settings trains (10 classes), on
-    ``device``, seeded."""
+    ``device``, seeded (``compile``: as ``--model.compile true``)."""
     torch.manual_seed(seed)
     names = stabilizer.split(",")
     module = ImageClassifier(backbone=backbone, size=size, backbone_options=backbone_options or {},
                              stabilizer=names, stabilizer_options={names[0]: options} if options else None,
                              num_classes=10, in_chans=in_chans, image_size=image_size, mean=[0.5] * in_chans,
                              std=[0.25] * in_chans,
-                             lr=lr)
+                             lr=lr, compile=compile)
     module.to(device).train()
     return module, module.build_optimizer()
 

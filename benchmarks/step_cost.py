@@ -12,6 +12,11 @@ On a GPU (eager, ViT-S at 256 tokens for jasmin): the same, but softcap ≤ 1.15
 hard cap ≤ 1.20× over plain Muon, jasmin ≤ 1.30×, and the certified losses (gloro, emma, lipschitz_margin) ≤ 1.20×
 over their base, the Lipschitz transformer with Muon's hard cap.
 
+``--compiled "LABEL;…"`` also times those rows compiled, as ``--model.compile true`` trains them, against the compiled
+baseline (GPU targets: the compiled baseline ≥ 1.3× faster than the eager one, each stabilizer compiled ≤ 1.10× the
+compiled baseline, JaSMin ≤ 1.25×); a stabilizer refused compiled says why. ``--profile "LABEL;…"`` adds those rows'
+operators by their own device time.
+
 ``--count`` times nothing: it counts each row's step on the GPU's code path on the CPU (launches, the bytes of the
 non-matrix operators, matrix FLOPs by precision) and predicts its GPU time with the model fitted to a measured GPU
 table (stability/testing/gpu_model.py; default: the H200's, results/benchmarks/step_cost_cuda_h200.md).
@@ -160,8 +165,19 @@ def operator_table(step, device: torch.device, top: int = 15) -> str:
     return markdown(["operator", "calls", f"ms ({'device' if cuda else 'host'}, own)", "share"], rows)
 
 
+COMPILED_BASELINE = 1.3  # the compiled baseline's speed-up over the eager one (GPU target)
+
+
+def compiled_target(label: str, device: torch.device) -> float | None:
+    """A stabilizer compiled, over the compiled baseline: ≤ 1.10×, JaSMin ≤ 1.25× (GPU targets)."""
+    if device.type != "cuda" or label == "none":
+        return None
+    return 1.25 if label.startswith("jasmin") else 1.10
+
+
 def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.device, repeats: int,
-            precision: str, profiled: tuple[str, ...] = (), sections: list[str] | None = None) -> list[list]:
+            precision: str, profiled: tuple[str, ...] = (), sections: list[str] | None = None,
+            compiled: tuple[str, ...] = ()) -> list[list]:
     image_size, options = geometry(backbone, size, tokens)
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(batch, 3, image_size, image_size, generator=generator).to(device)
@@ -178,6 +194,21 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
                              train_step(m, o, images, labels, precision, next(c) % CHECK_EVERY))
         memory[case.label] = peak_memory(steps[case.label], device)
         modules[case.label] = module
+    refused = {}
+    for case in [c for c in cases if c.label in compiled]:  # as --model.compile true: each its own compilation
+        try:
+            module, optimizer = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
+                                             device=device, backbone_options={**options, **(case.backbone_options
+                                                                                            or {})}, compile=True)
+        except ValueError as refusal:
+            refused[case.label] = str(refusal)
+            continue
+        counter = iter(range(1, 10 ** 9))
+        label = f"{case.label}, compiled"
+        steps[label] = (lambda m=module, o=optimizer, c=counter:
+                        train_step(m, o, images, labels, precision, next(c) % CHECK_EVERY))
+        steps[label]()  # compiles
+        memory[label] = peak_memory(steps[label], device) if device.type == "cuda" else float("nan")
     seconds = interleaved(steps, device, repeats)
     for label in profiled:
         if label in steps and sections is not None:
@@ -196,6 +227,25 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
                             f"({1000 * check:.0f} ms each)", amortised, seconds["none"], "none",
                             target_of(case, device, tokens), memory[case.label], memory["none"]))
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    for case in [c for c in cases if c.label in compiled]:
+        label = f"{case.label}, compiled"
+        if case.label in refused:
+            rows.append([backbone, size, tokens, precision, label, float("nan"), "refused", "", refused[case.label],
+                         float("nan"), ""])
+        elif case.label == "none":  # the compiled baseline against the eager one
+            speedup = seconds["none"] / seconds[label]
+            target = COMPILED_BASELINE if device.type == "cuda" else None
+            rows.append([backbone, size, tokens, precision, label, 1000 * seconds[label],
+                         f"{seconds[label] / seconds['none']:.2f}× (none): {speedup:.2f}× faster",
+                         f"≥ {target:.2f}× faster" if target else "",
+                         "" if target is None else ("met" if speedup >= target else
+                                                    f"missed by {100 * (1 - speedup / target):.1f}%"),
+                         memory[label] / 2 ** 20, ""])
+        else:
+            rows.append(row(backbone, size, tokens, precision, label, seconds[label], seconds["none, compiled"],
+                            "none, compiled", compiled_target(case.label, device), memory[label],
+                            memory["none, compiled"]))
+        print(" | ".join(str(c) for c in rows[-1]), flush=True)
     return rows
 
 
@@ -212,7 +262,7 @@ def row(backbone, size, tokens, precision, label, seconds, reference_seconds, re
     return [backbone, size, tokens, precision, label, 1000 * seconds,
             f"{ratio:.2f}× " + ("" if reference == "none" else f"({reference})"),
             f"≤ {target:.2f}×" if target else "", verdict(ratio, target),
-            memory / 2 ** 20, f"{memory / reference_memory:.2f}×"]
+            memory / 2 ** 20, "" if math.isnan(memory) else f"{memory / reference_memory:.2f}×"]
 
 
 # ------------------------------------------------------------------------------------ the CPU model of the GPU step
@@ -369,6 +419,8 @@ def main() -> None:
                         "from the model fitted to --measured (default: the H200 table; at its shapes)")
     p.add_argument("--measured", default=str(H200_TABLE), help="a step_cost.py table of GPU times to fit the model to")
     p.add_argument("--cases", default=None, help="--count: only these rows (labels separated by ';')")
+    p.add_argument("--compiled", default="", help="rows (labels separated by ';') also timed compiled, as "
+                                                  "--model.compile true, against the compiled baseline (always added)")
     p.add_argument("--profile", default="", help="rows (labels separated by ';') whose step is also profiled: its "
                                                  "operators by their own device time (host time on the CPU)")
     p.add_argument("--recount", action="store_true", help="--count: count again the rows kept in <out>.json")
@@ -399,13 +451,18 @@ def main() -> None:
     unknown = [label for label in profiled if label not in {c.label for c in CASES}]
     if unknown:
         raise SystemExit(f"--profile {unknown}: choose from {[c.label for c in CASES]}")
+    compiled = tuple(dict.fromkeys(["none"] + [label for label in args.compiled.split(";") if label])) \
+        if args.compiled else ()
+    unknown = [label for label in compiled if label not in {c.label for c in CASES}]
+    if unknown:
+        raise SystemExit(f"--compiled {unknown}: choose from {[c.label for c in CASES]}")
     models = [(entry.partition(":")[0], size) for entry in args.backbones.split(",")
               for size in ([entry.partition(":")[2]] if ":" in entry else args.sizes.split(","))]
     for precision in precisions:
         for backbone, size in models:
             for tokens in (int(t) for t in args.tokens.split(",")):
                 rows += measure(backbone, size, tokens, args.batch, device, args.repeats, precision, profiled,
-                                sections)
+                                sections, compiled)
     header = ["backbone", "size", "tokens", "precision", "stabilizer", "ms / step", "time ratio", "target", "verdict",
               f"memory MiB ({memory_label(device)})", "memory ratio"]
     body = (f"Batch {args.batch}, median of {args.repeats} interleaved steps after 2 warm-up rounds; ratios to the "

@@ -23,7 +23,8 @@ def table_rows(text: str) -> list[list[str]]:
 
 
 def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
-    text = run_benchmark("step_cost.py", tmp_path / "step.md", "--profile", "jasmin k=10")
+    text = run_benchmark("step_cost.py", tmp_path / "step.md", "--profile", "jasmin k=10", "--compiled",
+                         "specformer;jasmin k=10")
     table, _, profiled = text.partition("## Where the profiled rows' time goes")
     rows = {row[4]: row for row in table_rows(table)}
     operators = table_rows(profiled)  # JaSMin's step by operator, its own time, largest first
@@ -38,13 +39,17 @@ def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
     assert rows["specformer"][7] == "≤ 1.10×" and rows["muon hard_cap"][7] == "≤ 1.30×"
     assert rows["specformer"][8] == "met" or rows["specformer"][8].startswith("missed by ")
     assert "(muon (no constraint))" in rows["muon soft_cap"][6]
-    assert all(float(row[5]) > 0 and float(row[9]) > 0 for row in rows.values())
+    assert all(float(row[5]) > 0 and float(row[9]) > 0 for label, row in rows.items() if "compiled" not in label)
     from stability.stabilizers import REGISTRY
 
     missing = [name for name in REGISTRY if not any(name in label.split() or label.startswith(name)
                                                     for label in rows)]
     assert not missing, f"step_cost.py has no row for {missing}"
     assert "timm qk_norm=True" in rows
+    # compiled, as --model.compile true: the baseline against the eager one, the rest against the compiled baseline
+    assert rows["none, compiled"][6].endswith("faster") and float(rows["none, compiled"][5]) > 0
+    assert rows["specformer, compiled"][6].endswith("(none, compiled)") and float(rows["specformer, compiled"][5]) > 0
+    assert rows["jasmin k=10, compiled"][6] == "refused" and "cannot train compiled" in rows["jasmin k=10, compiled"][8]
 
 
 def test_host_profile_lists_a_steps_operators_and_counts(tmp_path):
