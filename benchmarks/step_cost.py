@@ -149,17 +149,25 @@ def verdict(ratio: float, target: float | None) -> str:
 def operator_table(step, device: torch.device, top: int = 15) -> str:
     """The ``top`` operators of one step (after a warm-up step) by their own time on the device (CUDA: the kernels'
     time; the CPU: host time), with their calls and share of the step: where a row's time goes."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     step()
+    if cuda:
+        torch.cuda.synchronize(device)  # the warm-up step's kernels stay out of the profile
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as profiler:
         step()
         if cuda:
             torch.cuda.synchronize(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in profiler.key_averages() if getattr(e, key) > 0]
-    total = sum(getattr(e, key) for e in events)
+    averages = profiler.key_averages()
+    # the operators (host-side events) carry the device time of the kernels they launch; the kernels are listed again
+    # as device events, which alone make the total (as torch's own table sums it)
+    events = [e for e in averages if e.device_type == DeviceType.CPU and getattr(e, key) > 0]
+    total = (sum(e.self_device_time_total for e in averages
+                 if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+             if cuda else sum(getattr(e, key) for e in events))
     rows = [[e.key[:80], e.count, getattr(e, key) / 1e3, f"{100 * getattr(e, key) / total:.1f}%"]
             for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]]
     return markdown(["operator", "calls", f"ms ({'device' if cuda else 'host'}, own)", "share"], rows)

@@ -93,9 +93,9 @@ def compiled_against_eager(build, compose=None) -> tuple[float, float]:
     sigmas = {k: v.detach().requires_grad_(True) for k, v in bound.estimated_sigmas(network).items()}
     bound.compile()
     if compose is not None:  # a planted error, compiled the same way
-        bound._compose = torch.compile(compose, fullgraph=True, dynamic=False)
+        bound._compiled_composition = torch.compile(compose, fullgraph=True, dynamic=False)
     results = []
-    for function in (bound._compose, composed_bound):
+    for function in (bound.composition(), composed_bound):
         for s in sigmas.values():
             s.grad = None
         module.zero_grad()
@@ -126,10 +126,18 @@ def test_the_compiled_composition_equals_the_eager_one_in_value_and_gradient(bui
     assert compiled_against_eager(build, planted)[0] > 1e-6
 
 
-def test_a_compiled_model_compiles_its_certified_loss_bound_and_an_eager_one_does_not():
+def test_a_compiled_model_compiles_its_certified_loss_bound_and_an_eager_one_does_not_and_both_pickle():
+    import copy
+    import pickle
+
     from stability.lipschitz.training_bound import composed_bound
 
     options = dict(backbone_options=dict(embed_dim=16, depth=1, num_heads=2), image_size=8,
                    stabilizer=["lipschitz_transformer", "muon", "gloro"])
-    assert ImageClassifier(**options).stabilizers[-1].training_bound._compose is composed_bound
-    assert ImageClassifier(**options, compile=True).stabilizers[-1].training_bound._compose is not composed_bound
+    assert ImageClassifier(**options).stabilizers[-1].training_bound.composition() is composed_bound
+    compiled = ImageClassifier(**options, compile=True)
+    bound = compiled.stabilizers[-1].training_bound
+    assert bound.composition() is not composed_bound  # (compiled at its first call)
+    for restored in (pickle.loads(pickle.dumps(compiled)), copy.deepcopy(compiled)):  # ddp_spawn, torch.save
+        again = restored.stabilizers[-1].training_bound
+        assert again.compiled and again.composition() is not composed_bound

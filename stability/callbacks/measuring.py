@@ -79,7 +79,7 @@ class Session:
         def hook(module, args):
             self.check(name, completed, points)
 
-        handle = network.register_forward_pre_hook(hook)
+        handle = network.register_forward_pre_hook(hook, prepend=True)  # before any work the forward's hooks do
         try:
             yield
         finally:

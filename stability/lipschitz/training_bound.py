@@ -49,7 +49,8 @@ class TrainingBound:
         self._power: SubspaceIteration | None = None
         self._kind = ""
         self._head_blocks: list[int] = []  # blocks whose per-head σ are computed from the whole qkv and W_O at once
-        self._compose = composed_bound  # compiled by :meth:`compile`
+        self.compiled = False  # :meth:`compile`: the composition compiled at its first call
+        self._compiled_composition = None  # not pickled: compiled again where the bound is unpickled
 
     def prepare(self, network: nn.Module) -> None:
         """Pick the computation for this network (after every architecture change); a ValueError where it has no
@@ -127,7 +128,7 @@ class TrainingBound:
                 return self._detached(MarginBound(features * top_singular_value(head), features, head))
         if self._kind == "power":
             with float32_math(network.mean.device.type):
-                total, features = self._compose(network, self.estimated_sigmas(network))
+                total, features = self.composition()(network, self.estimated_sigmas(network))
             return self._detached(MarginBound(total, features, effective_weight(network.backbone.head) * scale))
         bound, reason = certified_bound(network)
         if bound is None:
@@ -143,7 +144,18 @@ class TrainingBound:
         its backward (≈ 160 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
         ≈ 13 kernels a block (counted on the CPU: 32 at depth 2, 83 at depth 6). The power iteration before it
         stays eager (its IEEE-float32 blocks set torch's matmul precision, which a graph cannot)."""
-        self._compose = torch.compile(composed_bound, fullgraph=True, dynamic=False)
+        self.compiled = True
+
+    def composition(self):
+        """:func:`composed_bound`, compiled (once) where :meth:`compile` asked for it."""
+        if not self.compiled:
+            return composed_bound
+        if self._compiled_composition is None:
+            self._compiled_composition = torch.compile(composed_bound, fullgraph=True, dynamic=False)
+        return self._compiled_composition
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_compiled_composition": None}  # a compiled function does not pickle
 
     def _detached(self, bound: MarginBound) -> MarginBound:
         if self.differentiable:

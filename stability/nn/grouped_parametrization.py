@@ -38,9 +38,20 @@ class GroupedParametrization(nn.Module):
     can come first in the bases of an existing parametrisation, such as torch's spectral norm.)"""
 
     _grouped: torch.Tensor | None = None  # this member's effective weight during a grouped forward
+    _grouped_from: tuple | None = None  # (the original, its version) it was computed from
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return self.single(weight) if self._grouped is None else self._grouped
+        made_from = self._grouped_from
+        if self._grouped is not None and made_from[0] is weight and made_from[1] == weight._version:
+            return self._grouped
+        return self.single(weight)  # outside a grouped forward, or a slice left from one whose weight changed since
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles without a forward's slices (tensors of its graph: not deep-copyable)."""
+        state = super().__getstate__()
+        state.pop("_grouped", None)
+        state.pop("_grouped_from", None)
+        return state
 
     def single(self, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -53,7 +64,8 @@ class GroupedParametrization(nn.Module):
 
 class GroupedWeights:
     """Computes the members' effective weights group by group before each forward of ``network`` (a forward pre-hook)
-    and forgets them after it (a forward hook, also on an exception).
+    and forgets them after it (a forward hook, also on an exception; a slice is used only while its original is the
+    tensor, at the version, it was computed from, so one left behind by an interrupt is never read).
 
     ``members``: (the ``ParametrizationList`` holding ``original``, the member: its first parametrisation). Members
     are grouped by class, training mode, and their original's shape, dtype and device at each forward, so a network
@@ -83,11 +95,11 @@ class GroupedWeights:
         for (kind, *_), group in groups.items():
             stacked = torch.stack([holder.original for holder, _ in group])
             effective = kind.grouped([member for _, member in group], stacked)
-            for (_, member), weight in zip(group, effective.unbind(0)):
-                member._grouped = weight
+            for (holder, member), weight in zip(group, effective.unbind(0)):
+                member._grouped, member._grouped_from = weight, (holder.original, holder.original._version)
 
     def _after(self, _module, _args, _output) -> None:
         if torch.compiler.is_compiling():
             return
         for _, member in self.members:
-            member._grouped = None
+            member._grouped = member._grouped_from = None

@@ -51,15 +51,17 @@ class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
     """torch's spectral normalisation of a Linear weight (``torch.nn.utils.parametrizations.spectral_norm``: its
     buffers, initialisation and state-dict keys), whose weights of one shape are computed together in a forward of
     the network (:mod:`~stability.nn.grouped_parametrization`): u ← normalise(W v), v ← normalise(Wᵀ u) per training
-    forward, σ = uᵀ W v, W / σ. The grouped step runs in the weights' precision with autocast off (torch's own
-    matrix–vector products follow autocast, bf16 on a GPU)."""
+    forward, σ = uᵀ W v, W / σ. Both the grouped step and each weight's own run in the weights' precision with
+    autocast off and IEEE float32 products, as σReparam's reference does (torch's own matrix–vector products follow
+    autocast: bf16 on a GPU, where σ̂ would be off by ~2⁻⁸)."""
 
     def __init__(self, weight: torch.Tensor, factor: float = 1.0) -> None:
         super().__init__(weight)  # torch's defaults: one power iteration, dim 0, eps 1e-12
         self.factor = factor  # σ_max: the effective weight's σ₁
 
     def single(self, weight: torch.Tensor) -> torch.Tensor:
-        normalised = _SpectralNorm.forward(self, weight)
+        with torch.autocast(weight.device.type, enabled=False):  # float32 σ̂, as the grouped step (class docstring)
+            normalised = _SpectralNorm.forward(self, weight)
         return normalised if self.factor == 1.0 else self.factor * normalised
 
     @classmethod
