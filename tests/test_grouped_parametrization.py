@@ -52,15 +52,17 @@ def train(module, steps: int, dtype, stale=None) -> list[float]:
     return losses
 
 
-def assert_close(a: torch.Tensor, b: torch.Tensor, tolerance: float, what: str) -> None:
-    scale = max(float(b.abs().max()), 1e-30)
+def assert_close(a: torch.Tensor, b: torch.Tensor, tolerance: float, what: str, floor: float = 0.0) -> None:
+    scale = max(float(b.abs().max()), floor, 1e-30)
     assert float((a - b).abs().max()) <= tolerance * scale, (what, float((a - b).abs().max()) / scale)
 
 
 def compare(grouped, reference, dtype) -> None:
+    """Every tensor of the state, relative to its largest entry; in float32 at least to 0.1 of it (a bias of size
+    0.01 carries the rounding of the steps through weights of size 1: 2e-7 after three)."""
     tolerance = TOLERANCE[dtype]
     for (name, a), (_, b) in zip(grouped.state_dict().items(), reference.state_dict().items()):
-        assert_close(a, b, tolerance, name)
+        assert_close(a, b, tolerance, name, floor=0.1 if dtype == torch.float32 else 0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

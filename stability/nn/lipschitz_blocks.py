@@ -43,7 +43,8 @@ def max_min(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 class _MaxMin(torch.autograd.Function):
     """MaxMin of :func:`max_min` with the backward that routes the gradient by the forward's comparison (the
-    Jacobian is that permutation); composable with torch.func (vmap rule generated from these operators)."""
+    Jacobian is that permutation); composable with torch.func's reverse mode (vmap rule generated from these
+    operators). No forward mode (``jvp``): torch.compile does not trace a Function that defines one."""
 
     generate_vmap_rule = True
 
@@ -57,7 +58,6 @@ class _MaxMin(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         ctx.dim = inputs[1]
         ctx.save_for_backward(output[1])
-        ctx.save_for_forward(output[1])
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
@@ -65,13 +65,6 @@ class _MaxMin(torch.autograd.Function):
         (first,) = ctx.saved_tensors
         to_max, to_min = grad.chunk(2, dim=ctx.dim)
         return torch.cat([torch.where(first, to_max, to_min), torch.where(first, to_min, to_max)], dim=ctx.dim), None
-
-    @staticmethod
-    def jvp(ctx, tangent: torch.Tensor, _dim) -> tuple[torch.Tensor, None]:
-        """Forward mode (torch.func.jvp, jacfwd): the tangent permuted as the input is."""
-        (first,) = ctx.saved_tensors
-        a, b = tangent.chunk(2, dim=ctx.dim)
-        return torch.cat([torch.where(first, a, b), torch.where(first, b, a)], dim=ctx.dim), None
 
 
 def activation_lipschitz(act: nn.Module) -> float | None:
