@@ -209,6 +209,8 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
                                              device=device, backbone_options={**options, **(case.backbone_options
                                                                                             or {})}, compile=True)
         except ValueError as refusal:
+            if "cannot train compiled" not in str(refusal):
+                raise
             refused[case.label] = str(refusal)
             continue
         counter = iter(range(1, 10 ** 9))
@@ -464,6 +466,10 @@ def main() -> None:
     unknown = [label for label in compiled if label not in {c.label for c in CASES}]
     if unknown:
         raise SystemExit(f"--compiled {unknown}: choose from {[c.label for c in CASES]}")
+    if compiled:  # every compiled row is the network's forward compiled again: never fall back to eager silently
+        torch._dynamo.config.recompile_limit = 1024
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     models = [(entry.partition(":")[0], size) for entry in args.backbones.split(",")
               for size in ([entry.partition(":")[2]] if ":" in entry else args.sizes.split(","))]
     for precision in precisions:

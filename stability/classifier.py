@@ -127,8 +127,9 @@ class ImageClassifier(L.LightningModule):
 
     def _training_network(self, images: torch.Tensor) -> torch.nn.Module:
         """The compiled network where there is one and no callback observes this step's forward, else the network.
-        The compiled graph takes any batch size (the batch dimension is marked dynamic before the first compile), so
-        an epoch's smaller last batch does not compile it a second time."""
+        The compiled graph takes any batch size above 1 (the batch dimension is marked dynamic before the first
+        compile), so an epoch's smaller last batch does not compile it a second time (a batch of one, which torch
+        specialises, does)."""
         compiled = self.__dict__.get("_compiled_network")
         if compiled is None or self.eager_forward:
             return self.network

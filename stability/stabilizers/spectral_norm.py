@@ -52,8 +52,9 @@ class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
     buffers, initialisation and state-dict keys), whose weights of one shape are computed together in a forward of
     the network (:mod:`~stability.nn.grouped_parametrization`): u ← normalise(W v), v ← normalise(Wᵀ u) per training
     forward, σ = uᵀ W v, W / σ. Both the grouped step and each weight's own run in the weights' precision with
-    autocast off and IEEE float32 products, as σReparam's reference does (torch's own matrix–vector products follow
-    autocast: bf16 on a GPU, where σ̂ would be off by ~2⁻⁸)."""
+    autocast off, as σReparam's reference does (torch's own matrix–vector products follow autocast: bf16 on a GPU,
+    where σ̂ would be off by ~2⁻⁸); the grouped step's batched products also with TF32 off, as eager ``mv`` never
+    takes it."""
 
     def __init__(self, weight: torch.Tensor, factor: float = 1.0) -> None:
         super().__init__(weight)  # torch's defaults: one power iteration, dim 0, eps 1e-12
