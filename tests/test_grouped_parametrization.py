@@ -119,7 +119,7 @@ def test_a_slice_left_behind_is_not_read_once_its_weight_has_changed():
     hooks = module.stabilizers[0]._grouped
     hooks._before(module.network, ())  # the slices of a forward that never ended
     linear = module.network.backbone.blocks[0].mlp.fc1
-    left = linear.parametrizations.weight[0]._grouped
+    left = linear.parametrizations.weight[0]._grouped[0]  # its effective weight
     assert left is not None and torch.equal(linear.weight, left)  # unchanged: the slice is still the weight
     with torch.no_grad():
         linear.parametrizations.weight.original.add_(0.1)  # an optimizer step
@@ -210,7 +210,7 @@ def test_on_a_gpu_the_grouped_weights_under_bf16_autocast_and_tf32_equal_each_we
         grouped.eval(), reference.eval()
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
             hooks._before(grouped.network, ())  # the weights a forward would read, as the forward computes them
-            effective = [member._grouped.clone() for _, member in hooks.members]
+            effective = [holder[0]._grouped[0].clone() for holder in hooks.holders]
             hooks._after(grouped.network, (), None)
     finally:
         torch.set_float32_matmul_precision(saved[0])

@@ -37,20 +37,20 @@ class GroupedParametrization(nn.Module):
     returns the slice the group computed for the current network forward, when there is one. (No ``__init__``: it
     can come first in the bases of an existing parametrisation, such as torch's spectral norm.)"""
 
-    _grouped: torch.Tensor | None = None  # this member's effective weight during a grouped forward
-    _grouped_from: tuple | None = None  # (the original, its version) it was computed from
+    # during a grouped forward: (this member's effective weight, the original it came from, that original's version)
+    _grouped: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        made_from = self._grouped_from
-        if self._grouped is not None and made_from[0] is weight and made_from[1] == weight._version:
-            return self._grouped
+        if self._grouped is not None:
+            effective, original, version = self._grouped
+            if original is weight and version == weight._version:
+                return effective
         return self.single(weight)  # outside a grouped forward, or a slice left from one whose weight changed since
 
     def __getstate__(self) -> dict:
-        """Copies and pickles without a forward's slices (tensors of its graph: not deep-copyable)."""
+        """Copies and pickles without a forward's slice (a tensor of its graph: not deep-copyable)."""
         state = super().__getstate__()
         state.pop("_grouped", None)
-        state.pop("_grouped_from", None)
         return state
 
     def single(self, weight: torch.Tensor) -> torch.Tensor:
@@ -67,16 +67,16 @@ class GroupedWeights:
     and forgets them after it (a forward hook, also on an exception; a slice is used only while its original is the
     tensor, at the version, it was computed from, so one left behind by an interrupt is never read).
 
-    ``members``: (the ``ParametrizationList`` holding ``original``, the member: its first parametrisation). Members
-    are grouped by class, training mode, and their original's shape, dtype and device at each forward, so a network
-    moved or cast after registration groups correctly."""
+    ``holders``: the ``ParametrizationList`` of each weight (``module.parametrizations.weight``), whose first
+    parametrisation, the member, reads ``original``. Members are grouped by class, training mode, and their original's
+    shape, dtype and device at each forward, so a network moved or cast after registration groups correctly."""
 
-    def __init__(self, network: nn.Module, members: Sequence[tuple[nn.Module, GroupedParametrization]]) -> None:
-        for holder, member in members:
-            if holder[0] is not member:
-                raise ValueError(f"{type(member).__name__} must be the first parametrisation of its weight, got "
+    def __init__(self, network: nn.Module, holders: Sequence[nn.Module]) -> None:
+        for holder in holders:
+            if not isinstance(holder[0], GroupedParametrization):
+                raise ValueError(f"a grouped parametrisation must be the first of its weight, got "
                                  f"{[type(p).__name__ for p in holder]}")
-        self.members = list(members)
+        self.holders = list(holders)
         self._handles = [network.register_forward_pre_hook(self._before),
                          network.register_forward_hook(self._after, always_call=True)]
 
@@ -87,19 +87,18 @@ class GroupedWeights:
     def _before(self, _module, _args) -> None:
         if torch.compiler.is_compiling():  # compiled: each member's own arithmetic, fused by the compiler
             return
-        groups: dict[tuple, list[tuple[nn.Module, GroupedParametrization]]] = defaultdict(list)
-        for holder, member in self.members:
-            original = holder.original
-            groups[(type(member), member.training, original.shape, original.dtype, original.device)].append(
-                (holder, member))
+        groups: dict[tuple, list[nn.Module]] = defaultdict(list)
+        for holder in self.holders:
+            member, original = holder[0], holder.original
+            groups[(type(member), member.training, original.shape, original.dtype, original.device)].append(holder)
         for (kind, *_), group in groups.items():
-            stacked = torch.stack([holder.original for holder, _ in group])
-            effective = kind.grouped([member for _, member in group], stacked)
-            for (holder, member), weight in zip(group, effective.unbind(0)):
-                member._grouped, member._grouped_from = weight, (holder.original, holder.original._version)
+            originals = [holder.original for holder in group]
+            effective = kind.grouped([holder[0] for holder in group], torch.stack(originals))
+            for holder, original, weight in zip(group, originals, effective.unbind(0)):
+                holder[0]._grouped = (weight, original, original._version)
 
     def _after(self, _module, _args, _output) -> None:
         if torch.compiler.is_compiling():
             return
-        for _, member in self.members:
-            member._grouped = member._grouped_from = None
+        for holder in self.holders:
+            holder[0]._grouped = None

@@ -106,7 +106,7 @@ class SigmaReparam(Stabilizer):
                 parametrize.register_parametrization(module, "weight", SigmaReparametrization(module.weight))
                 self._parametrizations.append(module.parametrizations.weight[0])
                 holders.append(module.parametrizations.weight)
-        self._grouped = GroupedWeights(network, [(holder, holder[0]) for holder in holders])
+        self._grouped = GroupedWeights(network, holders)
         if self.remove_norms:
             for site in norm_sites(network.backbone):
                 site.replace(nn.Identity())

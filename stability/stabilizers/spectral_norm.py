@@ -132,8 +132,7 @@ class SpectralNorm(Stabilizer):
             for linear in linears:  # as torch's spectral_norm(linear), times σ_max
                 parametrize.register_parametrization(linear, "weight",
                                                      GroupedSpectralNorm(linear.weight, self.sigma_max))
-            self._grouped = GroupedWeights(network, [(linear.parametrizations.weight,
-                                                      linear.parametrizations.weight[0]) for linear in linears])
+            self._grouped = GroupedWeights(network, [linear.parametrizations.weight for linear in linears])
             return
         self._project_exactly([linear.weight for linear in linears])  # a certified start
         if self.method == "iterative":
