@@ -191,32 +191,30 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
     images = torch.rand(batch, 3, image_size, image_size, generator=generator).to(device)
     labels = torch.randint(0, 10, (batch,), generator=generator).to(device)
     cases = [c for c in CASES if backbone == "vit" or not c.vit_only]
-    steps, memory, modules = {}, {}, {}
-    for case in cases:
+    def step_of(case: Case, compile: bool = False):
+        """The case's module and its training step (as ``--model.compile true`` trains it where ``compile``)."""
         module, optimizer = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
-                                         device=device, backbone_options={**options, **(case.backbone_options or {})})
+                                         device=device, backbone_options={**options, **(case.backbone_options or {})},
+                                         compile=compile)
         if case.at_cap:
             put_weights_at_the_cap(module)
         counter = iter(range(1, 10 ** 9))  # step indices: the timed steps are never check steps (1, 2, …, < 99)
-        steps[case.label] = (lambda m=module, o=optimizer, c=counter:
-                             train_step(m, o, images, labels, precision, next(c) % CHECK_EVERY))
+        return module, lambda: train_step(module, optimizer, images, labels, precision, next(counter) % CHECK_EVERY)
+
+    steps, memory, modules = {}, {}, {}
+    for case in cases:
+        modules[case.label], steps[case.label] = step_of(case)
         memory[case.label] = peak_memory(steps[case.label], device)
-        modules[case.label] = module
     refused = {}
     for case in [c for c in cases if c.label in compiled]:  # as --model.compile true: each its own compilation
+        label = f"{case.label}, compiled"
         try:
-            module, optimizer = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
-                                             device=device, backbone_options={**options, **(case.backbone_options
-                                                                                            or {})}, compile=True)
+            _, steps[label] = step_of(case, compile=True)
         except ValueError as refusal:
             if "cannot train compiled" not in str(refusal):
                 raise
             refused[case.label] = str(refusal)
             continue
-        counter = iter(range(1, 10 ** 9))
-        label = f"{case.label}, compiled"
-        steps[label] = (lambda m=module, o=optimizer, c=counter:
-                        train_step(m, o, images, labels, precision, next(c) % CHECK_EVERY))
         steps[label]()  # compiles
         memory[label] = peak_memory(steps[label], device) if device.type == "cuda" else float("nan")
     seconds = interleaved(steps, device, repeats)
