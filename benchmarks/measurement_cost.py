@@ -10,7 +10,8 @@ and certified accuracy (the Lipschitz-transformer ViT), attention diagnostics, F
 AutoAttack — the official one (pyautoattack, standard version) and torchattacks' — per point, on a
 model trained for ``--train_epochs`` first (attacks stop early on points already misclassified, so an
 untrained model would flatter them; AutoAttack at ε = 2/255, where most points resist, its costly
-case). Target: the local estimate costs ≤ 2 × iterations + 1 training steps per batch of points.
+case). Target: the local estimate costs ≤ 2 × iterations + 1 training steps per batch of points. ``--compile`` adds
+the attacks through the network compiled at the batch's shape (``--robustness.compile``), compiled before timing.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from stability.lipschitz import empirical_lower_bound, jacobian_norm
 from stability.lipschitz.attention import attention_diagnostics
 from stability.lipschitz.certified import certified_bound
 from stability.robustness import AttackSpec, certified_radii, robust_accuracy
+from stability.robustness.fixed_batch import attacked_network
 
 
 def main() -> None:
@@ -30,6 +32,9 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--autoattack_points", type=int, default=32, help="AutoAttack is slow: fewer points")
     p.add_argument("--train_epochs", type=int, default=5, help="train on digits first")
+    p.add_argument("--compile", action="store_true",
+                   help="also FGSM, PGD-10 and the official AutoAttack through the network compiled at the batch's "
+                        "shape (--robustness.compile; compiled before timing)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="of the training step the measurements are compared with (they run in float32 either way)")
     args = p.parse_args()
@@ -48,9 +53,12 @@ def main() -> None:
     network = module.network
     iters = args.iterations
 
-    def attack(name: str, points: int, eps: float = 8 / 255, steps: int = 10):
+    compiled = attacked_network(network, args.batch, compile=True) if args.compile else None
+
+    def attack(name: str, points: int, eps: float = 8 / 255, steps: int = 10, through: torch.nn.Module = network):
         spec = AttackSpec(name, "Linf", eps)
-        return lambda: robust_accuracy(network, images[:points], labels[:points], [spec], 10, pgd_steps=steps)
+        return lambda: robust_accuracy(through, images[:points], labels[:points], [spec], 10, pgd_steps=steps,
+                                       batch_size=args.batch)
 
     def certified_accuracy():
         bound, _ = certified_bound(transformer.network)
@@ -69,13 +77,23 @@ def main() -> None:
         "FGSM": attack("fgsm", args.batch),
         "PGD-10": attack("pgd", args.batch),
     }
+    if compiled is not None:
+        network.eval()
+        compiled.warm_up(images)  # the compilation is paid once per run, not timed here
+        cases["FGSM, compiled"] = attack("fgsm", args.batch, through=compiled)
+        cases["PGD-10, compiled"] = attack("pgd", args.batch, through=compiled)
     seconds = interleaved(cases, device, args.repeats, warmup=1)
     network.eval()
-    aa = {"AutoAttack official (standard, 2/255)": "autoattack", "AutoAttack torchattacks (2/255)": "autoattack_tap"}
+    aa = {"AutoAttack official (standard, 2/255)": ("autoattack", network),
+          "AutoAttack torchattacks (2/255)": ("autoattack_tap", network)}
+    if compiled is not None and args.autoattack_points:  # at AutoAttack's own batch: its points
+        aa_compiled = attacked_network(network, args.autoattack_points, compile=True)
+        aa_compiled.warm_up(images)
+        aa["AutoAttack official (standard, 2/255), compiled"] = ("autoattack", aa_compiled)
     if args.autoattack_points:  # --quick skips them: on an untrained, nearly constant model they run every query
-        for label, name in aa.items():
-            seconds[label] = interleaved({"aa": attack(name, args.autoattack_points, 2 / 255)}, device, 1,
-                                         warmup=0)["aa"]
+        for label, (name, through) in aa.items():
+            seconds[label] = interleaved({"aa": attack(name, args.autoattack_points, 2 / 255, through=through)},
+                                         device, 1, warmup=0)["aa"]
     points = {"attention diagnostics (16 points)": min(16, args.batch), "certified bound (Lipschitz-transformer ViT)":
               None, "training step": args.batch, **{label: args.autoattack_points for label in aa}}
     step = seconds["training step"]

@@ -246,9 +246,15 @@ def store_key(network: nn.Module, dataset, *what: Any) -> str:
 
 def seconds_per_point(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
     """The time of one forward and backward pass of ``network`` per point, measured on ``images`` (the unit of an
-    attack's cost)."""
+    attack's cost); a :class:`~stability.robustness.fixed_batch.FixedBatch` on its whole batch (``images``
+    repeated), after a warm-up pass that compiles it."""
     from ..robustness.attacks import evaluating, gradients_allowed
+    from ..robustness.fixed_batch import FixedBatch
 
+    if isinstance(network, FixedBatch):  # timed on one whole batch, the shape it always computes
+        reps = -(-network.batch_size // len(images))
+        images = images.repeat(reps, *([1] * (images.ndim - 1)))[:network.batch_size]
+        labels = labels.repeat(reps)[:network.batch_size]
     with gradients_allowed(), evaluating(network):
         x, labels = images.detach().clone().requires_grad_(True), labels.clone()  # ordinary tensors
         for timed in (False, True):

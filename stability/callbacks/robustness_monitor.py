@@ -28,6 +28,7 @@ from .. import tags
 from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
 from ..robustness.autoattack_cost import autoattack_seconds
+from ..robustness.fixed_batch import attacked_network, paid_points
 from .bounds import exact_certificate
 from .measuring import (
     EpochShare,
@@ -63,6 +64,11 @@ class RobustnessMonitor(L.Callback):
             ``batch_size``). A batch is the unit a stopped test resumes from, so on a CPU, where a batch of points
             that resist takes an hour, smaller batches lose less to a SIGTERM; on a GPU larger ones cost little more
             per batch. The batches' seeds (seed + b) make the numbers depend on it.
+        compile: attack through the network compiled at one batch shape (``torch.compile``; each attack's batch
+            padded to its batch size: :mod:`~stability.robustness.fixed_batch`): one compilation per measurement
+            where attacks leave many shapes, and on a GPU few large kernels in place of one launch per operation.
+            The numbers equal the eager ones up to rounding (a point on the edge of its budget can fall the other
+            way). Clean and certified accuracy stay eager.
         seed: base seed (batch b uses seed + b).
     """
 
@@ -74,7 +80,8 @@ class RobustnessMonitor(L.Callback):
                  autoattack_version: str = "standard", attack_num_points: int | None = None,
                  autoattack_num_points: int | None = None,
                  certified_radii: Sequence[float] = (0.1, 0.25, 0.5, 1.0), pgd_steps: int = 10,
-                 batch_size: int = 256, autoattack_batch_size: int | None = None, seed: int = 0) -> None:
+                 batch_size: int = 256, autoattack_batch_size: int | None = None, compile: bool = False,
+                 seed: int = 0) -> None:
         for name in (*attacks, *test_attacks):
             if name not in ATTACKS:
                 raise ValueError(f"unknown attack {name!r}; choose from {ATTACKS}")
@@ -98,6 +105,7 @@ class RobustnessMonitor(L.Callback):
         self.certified_radii, self.pgd_steps, self.batch_size, self.seed = tuple(certified_radii), pgd_steps, \
             batch_size, seed
         self.autoattack_batch_size = batch_size if autoattack_batch_size is None else autoattack_batch_size
+        self.compile = bool(compile)
         AttackSettings(10, pgd_steps, None, autoattack_version, seed)  # validates the version
         self._said_no_bound = False
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
@@ -157,9 +165,13 @@ class RobustnessMonitor(L.Callback):
                         out["radius"] = certified_radii(exact(images.double()), labels, bound)
                 return out
 
+            attacked = {size: attacked_network(network, size, self.compile)
+                        for size in {self._batch_size(spec) for spec in specs}}
+
             def attack(spec: AttackSpec):
                 def measure(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-                    return {spec.label: survivors(network, images, labels, spec, settings, index)}
+                    return {spec.label: survivors(attacked[self._batch_size(spec)], images, labels, spec, settings,
+                                                  index)}
                 return measure
 
             batches_of: dict[str, list] = {}
@@ -168,11 +180,11 @@ class RobustnessMonitor(L.Callback):
                 batches_of["clean"] = measure_batches(dataset, count, self.batch_size, pl_module.device, clean,
                                                       session, name, exact)
                 if specs:
-                    self._say_plan(network, dataset, specs, prefix, count, settings, pl_module.device, stage)
+                    self._say_plan(attacked, dataset, specs, prefix, count, settings, pl_module.device, stage)
                 for spec in specs:  # each attack over its points in turn: batch b attacked with seed + b, as ever
                     batches_of[spec.label] = measure_batches(dataset, prefix[spec.label], self._batch_size(spec),
                                                              pl_module.device, attack(spec), session, spec.label,
-                                                             network)
+                                                             attacked[self._batch_size(spec)])
             except MeasurementInterrupted as stopped:
                 self._interrupted(trainer, pl_module, stage, stopped, batches_of, count, specs, prefix, bound,
                                   dataset, session)
@@ -184,24 +196,26 @@ class RobustnessMonitor(L.Callback):
     def _batch_size(self, spec: AttackSpec) -> int:
         return self.autoattack_batch_size if spec.name.startswith("autoattack") else self.batch_size
 
-    def _say_plan(self, network, dataset, specs, prefix, count, settings, device, stage: tags.Stage) -> None:
+    def _say_plan(self, attacked: dict, dataset, specs, prefix, count, settings, device,
+                  stage: tags.Stage) -> None:
         """One line before the first attack: what runs on how many points, an upper bound on its time on this machine
         (FGSM and PGD: one forward and backward pass per point, measured now, times the passes each makes; the
         official AutoAttack: its calls per batch, each the network's pass on the batch and the attack's own work,
         both timed now — :mod:`~stability.robustness.autoattack_cost`), and the options that limit it."""
         images, labels = load(dataset, 0, min(count, 64), device)
+        network = attacked.get(self.batch_size, attacked[self.autoattack_batch_size])  # FGSM's and PGD's
         per_pass = seconds_per_point(network, images, labels)
         parts, seconds, official = [], 0.0, {}
         for spec in specs:
             if spec.name == "autoattack":  # the official one: its calls per batch, timed once per norm and points
                 key = (spec.norm, prefix[spec.label])
                 if key not in official:  # its cost does not depend on the budget ε
-                    official[key] = autoattack_seconds(network, images, labels, prefix[spec.label],
-                                                       self.autoattack_batch_size, spec.norm, spec.eps,
-                                                       settings.autoattack_version, settings.num_classes)
+                    official[key] = autoattack_seconds(attacked[self.autoattack_batch_size], images, labels,
+                                                       prefix[spec.label], self.autoattack_batch_size, spec.norm,
+                                                       spec.eps, settings.autoattack_version, settings.num_classes)
                 seconds += official[key]
             else:
-                seconds += attack_passes(spec, settings) * prefix[spec.label] * per_pass
+                seconds += attack_passes(spec, settings) * paid_points(prefix[spec.label], network) * per_pass
             parts.append(f"{spec.label} on {prefix[spec.label]}")
         limits = "--robustness.test_num_points, --robustness.attack_num_points, --robustness.autoattack_num_points" \
             if stage == "test" else "--robustness.num_points, --robustness.every_n_epochs"

@@ -1,0 +1,87 @@
+"""The network an attack calls, at one batch shape and optionally compiled (``--robustness.compile``).
+
+An attack calls its network hundreds to thousands of times per batch of points, on a changing number of points: the
+official AutoAttack runs each of its attacks only on the points that still resist, and an epoch's last batch is
+smaller. :class:`FixedBatch` computes ``network(x)`` for any number of points on batches of exactly ``batch_size``:
+a smaller input is padded with zero images, a larger one split. In eval mode a network treats each point on its own,
+so every point gets the logits (and the input gradient) it gets unpadded, up to the rounding of a kernel that may
+block a batch differently. One input shape means one compilation for the whole measurement (``torch.compile``,
+``dynamic=False``), where the shapes an attack leaves would each compile again, and on a GPU few large kernels in
+place of one launch per operation, which is where a small network's time goes.
+
+The compiled network is torch.compile's: hooks registered on the network's modules after its first call are not
+seen by the compiled code. The measurement's own stop check hooks :class:`FixedBatch` itself, which runs eagerly.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BACKEND = "inductor"  # torch.compile's backend for ``compile=True`` (tests use a faster one)
+
+
+class FixedBatch(nn.Module):
+    """``network(x)`` computed ``batch_size`` points at a time: padded with zeros below, split above.
+
+    Args:
+        network: the measured network (eval mode while an attack runs: points independent).
+        batch_size: the one batch shape the network sees.
+        compile: run the network through ``torch.compile(network, dynamic=False)``, compiled at the first call
+            (:meth:`warm_up`: once per kind of forward an attack makes).
+    """
+
+    def __init__(self, network: nn.Module, batch_size: int, compile: bool = False) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"FixedBatch needs batch_size >= 1, got {batch_size}")
+        self.network, self.batch_size = network, int(batch_size)
+        # not a submodule: the compiled wrapper shares the network's parameters and must not list them twice
+        self.__dict__["_run"] = torch.compile(network, backend=BACKEND, dynamic=False) if compile else network
+        self._warm = bool(compile)
+
+    def warm_up(self, example: torch.Tensor) -> None:
+        """Compile every graph an attack calls now, on zero images shaped like ``example``'s: the forward without
+        gradients, with the weights' gradients only, and with the input's too, with its backward. Done at the first
+        call, so that nothing compiles inside an attack: the official AutoAttack's check for dynamic defences traces
+        the first forward it runs and counts calls named ``backward`` or ``grad``, which compiling a backward makes;
+        its counter is never reset, so it would warn at every later run in the process."""
+        self._warm = False
+        zeros = example.new_zeros(self.batch_size, *example.shape[1:])
+        with torch.no_grad():
+            self._run(zeros)
+        with torch.enable_grad():
+            self._run(zeros)  # an input that needs no gradient is a graph of its own
+            x = zeros.clone().requires_grad_(True)
+            torch.autograd.grad(self._run(x).sum(), x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not len(x):
+            return self.network(x)
+        if self._warm:
+            self.warm_up(x)
+        size = self.batch_size
+        outputs = []
+        for start in range(0, len(x), size):
+            part = x[start:start + size]
+            missing = size - len(part)
+            if missing:
+                part = torch.cat([part, part.new_zeros(missing, *part.shape[1:])])
+            out = self._run(part)
+            outputs.append(out[:size - missing] if missing else out)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def paid_points(points: int, network: nn.Module) -> int:
+    """The points an attack's passes cost on ``network``: a :class:`FixedBatch` pays its whole batch for the last,
+    smaller one."""
+    size = getattr(network, "batch_size", None) if isinstance(network, FixedBatch) else None
+    return points if size is None else -(-points // size) * size
+
+
+def attacked_network(network: nn.Module, batch_size: int, compile: bool) -> nn.Module:
+    """What an attack on batches of ``batch_size`` calls: ``network`` itself (eager, every shape as it comes), or,
+    compiled, the network at that one batch shape (:class:`FixedBatch`)."""
+    return FixedBatch(network, batch_size, compile=True) if compile else network
+
+
+__all__ = ["BACKEND", "FixedBatch", "attacked_network", "paid_points"]

@@ -1,0 +1,149 @@
+"""Attacks through one batch shape, compiled (``--robustness.compile``): any number of points gets the logits and
+input gradients it gets from the network itself; the compiled network compiles once per kind of forward, whatever
+sizes an attack leaves; FGSM, PGD and the official AutoAttack give the same points as eager, without AutoAttack's
+dynamic-defence warning; the monitor's results equal the eager run's."""
+import json
+import os
+
+import lightning as L
+import pytest
+import torch
+from pyautoattack import AutoAttack, checks
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from stability.callbacks.measuring import seconds_per_point
+from stability.classifier import ImageClassifier
+from stability.cli import main
+from stability.data import Digits
+from stability.robustness import AttackSpec
+from stability.robustness import fixed_batch as fixed_batch_module
+from stability.robustness.attacks import AttackSettings, evaluating, gradients_allowed, survivors
+from stability.robustness.fixed_batch import FixedBatch, attacked_network, paid_points
+
+
+@pytest.fixture(scope="module")
+def digits():
+    data = Digits()
+    data.setup()
+    return data
+
+
+@pytest.fixture(scope="module")
+def vit(digits):
+    """A tiny ViT trained briefly on the 8 × 8 digits: points near its decision boundaries for the attacks."""
+    L.seed_everything(0)
+    network = ImageClassifier(backbone_options=dict(embed_dim=32, depth=1, num_heads=2)).network
+    images, labels = digits.train_set.tensors
+    optimizer = torch.optim.Adam(network.parameters(), lr=3e-3)
+    for step in range(300):
+        batch = slice(64 * step % 1280, 64 * step % 1280 + 64)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(network(images[batch]), labels[batch]).backward()
+        optimizer.step()
+    return network.eval()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Compiles counted, with a backend that runs the traced graphs as they are (fast, and rounds as eager)."""
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(fixed_batch_module, "BACKEND", counter)
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("points", [1, 5, 8, 13, 17])
+def test_any_number_of_points_gets_its_own_logits_and_gradients(vit, points):
+    network = vit.double()
+    try:
+        padded = FixedBatch(network, 8)
+        x = torch.rand(points, 1, 8, 8, dtype=torch.float64, requires_grad=True)
+        expected = network(x)
+        (expected_grad,) = torch.autograd.grad(expected.square().sum(), x)
+        got = padded(x)
+        (grad,) = torch.autograd.grad(got.square().sum(), x)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+    finally:
+        network.float()
+
+
+def test_paid_points_round_up_to_whole_batches(vit):
+    assert paid_points(20, vit) == 20
+    assert paid_points(20, FixedBatch(vit, 8)) == 24
+    assert paid_points(16, FixedBatch(vit, 8)) == 16
+    assert attacked_network(vit, 8, compile=False) is vit
+    with pytest.raises(ValueError, match="batch_size >= 1"):
+        FixedBatch(vit, 0)
+
+
+def test_compiled_once_per_kind_of_forward_whatever_the_sizes(vit, counted):
+    compiled = attacked_network(vit, 8, compile=True)
+    settings = AttackSettings(10, 3, None, "standard", 0)
+    images, labels = torch.rand(13, 1, 8, 8), torch.randint(0, 10, (13,))
+    survivors(compiled, images[:8], labels[:8], AttackSpec("pgd", "L2", 0.5), settings, 0)
+    kinds = counted.frame_count
+    assert 1 <= kinds <= 3  # without gradients; with the weights' only; with the input's
+    for size in (3, 8, 13):
+        survivors(compiled, images[:size], labels[:size], AttackSpec("pgd", "Linf", 8 / 255), settings, 1)
+        survivors(compiled, images[:size], labels[:size], AttackSpec("fgsm", "L2", 0.5), settings, 2)
+    seconds_per_point(compiled, images[:5], labels[:5])
+    assert counted.frame_count == kinds
+
+
+def short_autoattack(network, images, labels):
+    """The official AutoAttack's four attacks at a few iterations each (its standard version takes a minute here)."""
+    attack = AutoAttack(network, norm="L2", eps=0.3, version="custom", attacks=["apgd-ce", "apgd-t", "fab-t", "square"],
+                        seed=0)
+    attack.apgd.n_iter = attack.apgd_targeted.n_iter = attack.fab.n_iter = 8
+    attack.apgd_targeted.n_target_classes = attack.fab.n_target_classes = 2
+    attack.square.n_queries = 40
+    with gradients_allowed(), evaluating(network):
+        return attack.run_standard_evaluation(images.clone(), labels.clone(), batch_size=len(labels))[0]
+
+
+def test_compiled_attacks_find_what_eager_ones_find(vit, digits, counted):
+    """Same seeds, same points: FGSM and PGD (batch 8, points 13: the second batch padded) through the compiled network
+    leave the same points standing as on the network itself; the official AutoAttack's four attacks (5 points,
+    padded) find the same adversarial images to float32 rounding; the logits agree to it. AutoAttack's check for
+    dynamic defences counts nothing (its counter is global and never reset: one count would warn at every later run
+    in the process)."""
+    images, labels = (t[:13] for t in digits.val_set.tensors)
+    with torch.no_grad():
+        assert (vit(images).argmax(-1) == labels).float().mean() > 0.5
+    settings = AttackSettings(10, 5, None, "standard", 0)
+    compiled = attacked_network(vit, 8, compile=True)
+    before = dict(checks.funcs)
+    for spec in (AttackSpec("fgsm", "Linf", 8 / 255), AttackSpec("pgd", "L2", 0.3)):
+        eager = torch.cat([survivors(vit, images[i:j], labels[i:j], spec, settings, b)
+                           for b, (i, j) in enumerate(((0, 8), (8, 13)))])
+        through = torch.cat([survivors(compiled, images[i:j], labels[i:j], spec, settings, b)
+                             for b, (i, j) in enumerate(((0, 8), (8, 13)))])
+        assert through.tolist() == eager.tolist(), spec.label
+    eager, through = (short_autoattack(net, images[2:7], labels[2:7]) for net in (vit, compiled))
+    assert (eager != images[2:7]).any()  # it moved points
+    torch.testing.assert_close(through, eager, rtol=0, atol=1e-5)
+    assert dict(checks.funcs) == before
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(images), vit(images), rtol=1e-5, atol=1e-6)
+
+
+def test_the_monitor_compiled_reports_what_it_reports_eager(tmp_path, tiny_vit_args, counted):
+    """One fit, then its test: FGSM and PGD on 20 points in batches of 8 (the last padded), compiled and not."""
+    os.chdir(tmp_path)
+    results = {}
+    for compile in ("false", "true"):
+        main(["fit", *tiny_vit_args, "--runs_dir", compile, "--trainer.max_epochs", "4", "--data.batch_size", "16",
+              "--model.lr", "5e-3", "--lipschitz.every_n_epochs", "0", "--test_after_fit", "true",
+              "--robustness.every_n_epochs", "4",
+              "--robustness.num_points", "20", "--robustness.test_num_points", "20", "--robustness.batch_size", "8",
+              "--robustness.test_attacks", "[fgsm, pgd]", "--robustness.eps", "[0.02, 0.05]",
+              "--robustness.pgd_steps", "3", "--robustness.compile", compile])
+        (path,) = (tmp_path / compile).rglob("results.json")
+        results[compile] = json.loads(path.read_text())["robustness"]["accuracy"]
+    assert counted.frame_count >= 1  # the compiled run did compile
+    eager, compiled = results["false"], results["true"]
+    assert eager["clean"] > 0.2 and eager["pgd_Linf_0.05"] < eager["clean"]  # above chance; the attacks had work
+    assert compiled == eager
