@@ -341,3 +341,59 @@ def test_wallclock_joins_times_and_measurements_by_step(tmp_path):
     assert rows[0] is None
     got = [v for r in rows[1:] for v in (r["epochs"], r["acc"], r["0.5"], r["1.58"])]
     assert got == pytest.approx([2, 0.6, 0.4, 0.2, 2, 0.6, 0.4, 0.2, 4, 0.8, 0.6, 0.3])
+
+
+def _sweep_run(root: Path, name: str, done: bool, results: dict | None, epochs: int) -> Path:
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"seed_everything: {name[-1]}\ntrainer:\n  max_epochs: 10\n")
+    (run / "sweep_run.json").write_text(json.dumps({"configuration": "(base)"}))
+    if done:
+        (run / "done.json").write_text(json.dumps({"status": "completed"}))
+    if results is not None:
+        (run / "checkpoints" / "results.json").write_text(json.dumps(results))
+    write_events(run, {"loss/task_epoch": [(e, 1.0 / e) for e in range(1, epochs + 1)],
+                       "val/acc": [(e, 0.5 + 0.01 * e) for e in range(1, epochs + 1)]})
+    return run
+
+
+def _results(clean: float, pgd: float, complete: bool, aa_points: int) -> dict:
+    robustness = {"points": 100, "accuracy": {"clean": clean, "pgd_L2_0.5": pgd}, "certified": {},
+                  "attacks": {"pgd_L2_0.5": {"attack": "pgd", "norm": "L2", "eps": 0.5, "points": 100},
+                              "autoattack_L2_0.5": {"attack": "autoattack", "norm": "L2", "eps": 0.5,
+                                                    "points": aa_points}}}
+    if not complete:
+        robustness["interrupted"] = f"autoattack_L2_0.5 stopped by SIGTERM after {aa_points} points"
+    return {"complete": complete, "clean_accuracy": clean, "robustness": robustness}
+
+
+def test_unfinished_runs_enter_the_report_once_their_test_has_begun(tmp_path, capsys):
+    """--unfinished: a run stopped in its test is in the table with what it measured, counted as unfinished and named
+    with the measurement it stopped in; a run still training is listed, never averaged in (its numbers are
+    validation values of a model not yet trained); without the flag only finished runs count."""
+    sweep = tmp_path / "sweep"
+    _sweep_run(sweep, "seed=0", True, _results(0.9, 0.8, True, 100), 10)
+    _sweep_run(sweep, "seed=1", False, _results(0.8, 0.6, False, 40), 10)
+    _sweep_run(sweep, "seed=2", False, None, 3)
+    out = tmp_path / "results"
+    assert report.main([str(sweep), "--out", str(out / "finished")]) == 0
+    row = table_rows((out / "finished" / "report.md").read_text())["(base)"]
+    assert row["seeds"] == "1" and row["clean acc"] == "0.9" and "unfinished" not in row
+
+    assert report.main([str(sweep), "--out", str(out / "all"), "--unfinished"]) == 0
+    text = (out / "all" / "report.md").read_text()
+    row = table_rows(text)["(base)"]
+    assert row["seeds"] == "2" and row["unfinished"] == "1/2"
+    assert row["clean acc"] == f"{0.85:.3g} ± {statistics.stdev([0.9, 0.8]):.2g}"
+    assert row["pgd_L2_0.5"] == f"{0.7:.3g} ± {statistics.stdev([0.8, 0.6]):.2g}"
+    assert "test-set values" in text
+    section = text[text.index("## Unfinished runs"):]
+    assert "`seed=1`: autoattack_L2_0.5 stopped by SIGTERM after 40 points" in section
+    assert "autoattack_L2_0.5 on 40 points" in section
+    assert "`seed=2`: training, 3 of 10 epochs, validation accuracy 0.530; not in the table" in section
+    assert "`seed=0`" not in section
+
+    only_training = tmp_path / "training"
+    _sweep_run(only_training, "seed=2", False, None, 3)
+    assert report.main([str(only_training), "--out", str(out / "none"), "--unfinished"]) == 2
+    assert "1 still training" in capsys.readouterr().err

@@ -45,11 +45,16 @@ from .reading import find_runs, load_run
 
 
 def write_report(runs_dir: Path, out: Path, study: str, command: str, cost: str | None = None,
-                 budgets: list[float] | None = None) -> Path:
-    records = [r for r in (load_run(p) for p in find_runs(runs_dir)) if r is not None]
+                 budgets: list[float] | None = None, unfinished: bool = False) -> Path:
+    records = [r for r in (load_run(p, unfinished) for p in find_runs(runs_dir)) if r is not None]
+    training = [r for r in records if r.status == "unfinished" and not r.results]  # no test values yet
+    records = [r for r in records if r not in training]
     if not records:
+        still = f" ({len(training)} still training: listed with --unfinished once their test has begun)" \
+            if training else ""
         raise ValueError(f"no finished runs under {runs_dir} (a run is a directory with config.yaml and "
-                         f"TensorBoard events; sweep runs count once done.json is written)")
+                         f"TensorBoard events; sweep runs count once done.json is written, or with --unfinished "
+                         f"once their test has begun){still}")
     if cost is not None:
         equal_cost.check_logged(records, cost, runs_dir)
     else:  # the machine-independent cost where the runs logged it
@@ -73,7 +78,8 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str, cost: str 
     }
     front = plot_accuracy_vs_paper_bound(configurations, styles, out / "accuracy_vs_paper_bound.png", study)
     plots["accuracy_vs_paper_bound.png"] = bool(front)
-    test_time = any(tags.stage_metric("test", "acc") in r.scalars for r in records)
+    test_time = any(tags.stage_metric("test", "acc") in r.scalars or (r.results or {}).get("clean_accuracy")
+                    is not None for r in records)
     lines = [f"# {study}", "", f"Made by `{command}` from {len(records)} runs in `{runs_dir}`.", "",
              "Mean ± sample std over seeds; " + ("test-set values (after fit)" if test_time else
                                                  "last values logged during fit (validation subset)")
@@ -91,6 +97,8 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str, cost: str 
                "`task loss`: last epoch's training objective; `s/epoch`: training steps only. Distributions are "
                "drawn from TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
              table(configurations), ""]
+    if unfinished:
+        lines += unfinished_section(records, training)
     if front:
         lines += ["On the accuracy–bound frontier (no configuration with a smaller paper's bound is more accurate; "
                   "means over seeds): " + "; ".join(f"`{label}`" for label in front) + ".", ""]
@@ -112,6 +120,32 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str, cost: str 
     report = out / "report.md"
     report.write_text("\n".join(lines))
     return report
+
+
+def unfinished_section(records, training) -> list[str]:
+    """What each unfinished run still lacks: the measurement its test stopped in (its values in the table are on the
+    points measured), or, for a run still training, its last epoch and validation accuracy (not in the table)."""
+    lines = []
+    for record in records:
+        if record.status == "unfinished":
+            robustness = (record.results or {}).get("robustness") or {}
+            attacks = robustness.get("attacks") or {}
+            measured = ", ".join(f"{label} on {a['points']}" for label, a in attacks.items())
+            stopped = robustness.get("interrupted", "its test has not finished")
+            lines.append(f"- `{record.path.name}`: {stopped}; the table has what was measured"
+                         + (f" ({measured} points)" if measured else ""))
+    for record in training:
+        epochs = record.scalars.get(tags.per_epoch(tags.TASK_LOSS), [])
+        accuracy = record.last(tags.stage_metric("val", "acc"))
+        planned = (record.config.get("trainer") or {}).get("max_epochs")
+        state = "trained" if planned is not None and len(epochs) >= planned else "training"
+        lines.append(f"- `{record.path.name}`: {state}, {len(epochs)} of {planned} epochs"
+                     + (f", validation accuracy {accuracy:.3f}" if accuracy is not None else "")
+                     + ("; its test has written no results yet" if state == "trained" else "") + "; not in the table")
+    if not lines:
+        return []
+    return ["## Unfinished runs", "", "Included with `--unfinished`: a run whose test has begun enters the table with "
+            "the values measured so far; a run still training does not.", "", *lines, ""]
 
 
 def run_names(records) -> dict[str, str]:
@@ -137,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                         "wall (wall-clock training time) or gpu (time predicted on the reference GPU)")
     p.add_argument("--budgets", default=None, help="budgets in the cost's unit (TFLOP, minutes, GPU seconds), "
                                                    "comma-separated; default 1/8, 1/4, 1/2 and all of the longest run")
+    p.add_argument("--unfinished", action="store_true",
+                   help="also sweep runs that have not finished: those whose test has begun, with the values measured "
+                        "so far (named in an 'Unfinished runs' section), and a line for each still training")
     args = p.parse_args(argv)
     runs_dir = Path(args.runs_dir)
     if not runs_dir.is_dir():
@@ -147,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "stability report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
     try:
         budgets = None if args.budgets is None else equal_cost.parse_budgets(args.budgets)
-        report = write_report(runs_dir, out, study, command, args.cost, budgets)
+        report = write_report(runs_dir, out, study, command, args.cost, budgets, args.unfinished)
     except ValueError as err:
         print(f"stability report: error: {err}", file=sys.stderr)
         return exit_codes.BAD_INPUT

@@ -152,10 +152,13 @@ def parse_label(label: str) -> tuple[str, str, float]:
 
 def table(configurations: list[Configuration]) -> str:
     cols = columns(configurations)
-    head = ["configuration", "seeds", "diverged", *cols]
+    unfinished = any(r.status == "unfinished" for config in configurations for r in config.runs)
+    head = ["configuration", "seeds", "diverged", *(["unfinished"] if unfinished else []), *cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for config in configurations:
         cells = [config.label, str(len(config.runs)), f"{config.diverged}/{len(config.runs)}"]
+        if unfinished:
+            cells.append(f"{sum(r.status == 'unfinished' for r in config.runs)}/{len(config.runs)}")
         cells += [mean_std(config.values(c), 2 if c == "s/epoch" else 3) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
