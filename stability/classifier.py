@@ -17,6 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from . import tags
 from .metrics import TopClassShare, warn_constant_classifier
 from .models import Network, build_backbone, capture_attention, capture_queries_keys
+from .models.view import QueryKeyNetwork
 from .nn.precision import accumulation_dtype, at_least_float32
 from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
 from .stabilizers import ForwardStep, Stabilizer, build_stabilizers, stabilizer_names
@@ -112,10 +113,14 @@ class ImageClassifier(L.LightningModule):
             if refused:
                 raise ValueError("--model.compile true: " + "; ".join(f"{name} cannot train compiled: {reason}"
                                                                        for name, reason in refused))
-            # kept out of the module tree: the state dict (checkpoints) has the plain network's keys only
-            self.__dict__["_compiled_network"] = torch.compile(self.network)
-            for stab in self.stabilizers:
+            for stab in self.stabilizers:  # first: a stabilizer may choose its compiled path (JaSMin streams)
                 stab.compile_terms()
+            # a stabilizer that reads the queries and keys gets them from the compiled graph as outputs
+            captures = any(s.needs_queries_keys for s in self.stabilizers)
+            self.__dict__["_compiled_captures"] = captures
+            # kept out of the module tree: the state dict (checkpoints) has the plain network's keys only
+            self.__dict__["_compiled_network"] = torch.compile(QueryKeyNetwork(self.network) if captures
+                                                               else self.network)
         self._stabilizers_device: torch.device | None = None
         # validate_args=False: torchmetrics' argument checks read values back to the host at every update
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
@@ -158,10 +163,15 @@ class ImageClassifier(L.LightningModule):
             self._stabilizers_device = images.device
         needs_probs = any(s.needs_attention_probs for s in self.stabilizers)
         needs_queries_keys = any(s.needs_queries_keys for s in self.stabilizers)
-        probs_ctx = capture_attention(backbone) if needs_probs else contextlib.nullcontext([])
-        qk_ctx = capture_queries_keys(backbone) if needs_queries_keys else contextlib.nullcontext([])
-        with probs_ctx as probs, qk_ctx as queries_keys:
-            logits = self._training_network(images)(images)
+        network = self._training_network(images)
+        if network is not self.network and self.__dict__.get("_compiled_captures"):
+            logits, queries_keys = network(images)  # the compiled graph returns them: no hooks added per step
+            probs = []
+        else:
+            probs_ctx = capture_attention(backbone) if needs_probs else contextlib.nullcontext([])
+            qk_ctx = capture_queries_keys(backbone) if needs_queries_keys else contextlib.nullcontext([])
+            with probs_ctx as probs, qk_ctx as queries_keys:
+                logits = network(images)
         step = ForwardStep(self.network, images, logits, targets, probs, queries_keys, self.global_step,
                            self.__dict__.get("_total_steps", 0))
         replaced = [(s.name, loss) for s in self.stabilizers

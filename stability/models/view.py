@@ -213,6 +213,58 @@ def _on_queries_keys(module: nn.Module, call: Callable[[nn.Module, torch.Tensor,
     return [module.q_norm.register_forward_hook(keep_queries), module.k_norm.register_forward_hook(with_keys)]
 
 
+class _Capture:
+    """Where the hooks of a :class:`QueryKeyNetwork` put each forward's (q, k, scale): a list during its forward,
+    None otherwise (the network run on its own records nothing)."""
+
+    def __init__(self) -> None:
+        self.sink: list | None = None
+
+
+class _SiteHooks:
+    """The two hooks of one attention module (picklable, unlike closures: the network is pickled with them)."""
+
+    def __init__(self, capture: _Capture, scale: float) -> None:
+        self.capture, self.scale, self.pending = capture, scale, []
+
+    def queries(self, _norm, _inputs, output) -> None:
+        self.pending.append(output)
+
+    def keys(self, _norm, _inputs, output) -> None:
+        queries = self.pending.pop()
+        if self.capture.sink is not None:
+            self.capture.sink.append((queries, output, self.scale))
+
+
+class QueryKeyNetwork(nn.Module):
+    """``network(x)`` that also returns the (q, k, scale) of every attention call, in forward order, as
+    :func:`capture_queries_keys` records them: ``(logits, [(q, k, scale), …])``. Its hooks stay on the network's
+    ``q_norm`` and ``k_norm`` for good, so that ``torch.compile`` of this module traces them into its graph (a
+    compiled graph calls the hooks it was traced with, never those added later); outside this module's forward they
+    record nothing. For :func:`supports_query_key_capture` backbones (timm's plain ViT attention)."""
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        if not supports_query_key_capture(network.backbone):
+            raise ValueError("capturing queries and keys needs timm's plain ViT attention (no relative-position "
+                             "bias, window mask or replaced kernel)")
+        self.network = network
+        self.capture = _Capture()
+        for site in attention_sites(network.backbone):
+            hooks = _SiteHooks(self.capture, float(site.module.scale))
+            site.module.q_norm.register_forward_hook(hooks.queries)
+            site.module.k_norm.register_forward_hook(hooks.keys)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, float]]]:
+        captured: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self.capture.sink = captured
+        try:
+            logits = self.network(x)
+        finally:
+            self.capture.sink = None
+        return logits, captured
+
+
 @contextlib.contextmanager
 def capture_queries_keys(backbone: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, float]]]:
     """Record (q, k, scale) of every attention call inside the block, in forward order, each

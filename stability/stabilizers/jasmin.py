@@ -37,8 +37,9 @@ class JaSMin(Stabilizer):
         reduction: ``max`` or ``mean`` over the rows of each attention map.
         eps: ε of the ratio variant, and the floor of g₁ inside the log.
         row_statistics: ``auto`` (streamed on CUDA where the backbone allows it, i.e. plain ViT
-            attention; materialised on the CPU, where that is faster), ``streamed`` (an error
-            elsewhere) or ``materialized`` (always record the probability maps, the fused path off).
+            attention; materialised on the CPU, where that is faster; streamed wherever the network trains
+            compiled, ``--model.compile true``), ``streamed`` (an error elsewhere) or ``materialized`` (always
+            record the probability maps, the fused path off; refused compiled).
     """
 
     name = "jasmin"
@@ -62,6 +63,7 @@ class JaSMin(Stabilizer):
         self.row_statistics = row_statistics
         self.streamed = False
         self._supported = False
+        self._compiled = False
         self.needs_attention_probs = lam > 0
 
     @property
@@ -80,8 +82,23 @@ class JaSMin(Stabilizer):
         """``auto`` streams on CUDA, where the baseline's fused (flash) attention is worth keeping and
         N×N maps are the memory problem; on the CPU the materialised path is faster (its top-k
         runs once, the streamed backward recomputes the logits; results/benchmarks/)."""
-        if self.row_statistics == "auto":
+        if self.row_statistics == "auto" and not self._compiled:
             self._choose(streamed=self._supported and device.type == "cuda")
+
+    def compile_refusal(self) -> str | None:
+        """Streamed statistics train compiled (the queries and keys are outputs of the compiled graph); the
+        materialised maps come from hooks on the explicit attention path, which a compiled graph does not call."""
+        if self.lam > 0 and (not self._supported or self.row_statistics == "materialized"):
+            return ("its materialised attention maps are read through forward hooks on the explicit attention path, "
+                    "which a compiled graph does not call (streamed row statistics, on plain ViT attention, train "
+                    "compiled)")
+        return None
+
+    def compile_terms(self) -> None:
+        """Trained compiled: the streamed statistics, on every device (``auto`` no longer follows the device)."""
+        if self.lam > 0:
+            self._compiled = True
+            self._choose(streamed=True)
 
     def _choose(self, streamed: bool) -> None:
         self.streamed = self.lam > 0 and streamed
