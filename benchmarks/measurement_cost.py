@@ -87,7 +87,7 @@ def main() -> None:
     aa = {"AutoAttack official (standard, 2/255)": ("autoattack", network),
           "AutoAttack torchattacks (2/255)": ("autoattack_tap", network)}
     if compiled is not None and args.autoattack_points:  # at AutoAttack's own batch: its points
-        aa_compiled = attacked_network(network, args.autoattack_points, compile=True)
+        aa_compiled = attacked_network(network, min(args.batch, args.autoattack_points), compile=True)
         aa_compiled.warm_up(images)
         aa["AutoAttack official (standard, 2/255), compiled"] = ("autoattack", aa_compiled)
     if args.autoattack_points:  # --quick skips them: on an untrained, nearly constant model they run every query

@@ -343,7 +343,8 @@ def test_wallclock_joins_times_and_measurements_by_step(tmp_path):
     assert got == pytest.approx([2, 0.6, 0.4, 0.2, 2, 0.6, 0.4, 0.2, 4, 0.8, 0.6, 0.3])
 
 
-def _sweep_run(root: Path, name: str, done: bool, results: dict | None, epochs: int) -> Path:
+def _sweep_run(root: Path, name: str, done: bool, results: dict | None, epochs: int,
+               fit_values: dict | None = None) -> Path:
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(f"seed_everything: {name[-1]}\ntrainer:\n  max_epochs: 10\n")
@@ -353,7 +354,8 @@ def _sweep_run(root: Path, name: str, done: bool, results: dict | None, epochs: 
     if results is not None:
         (run / "checkpoints" / "results.json").write_text(json.dumps(results))
     write_events(run, {"loss/task_epoch": [(e, 1.0 / e) for e in range(1, epochs + 1)],
-                       "val/acc": [(e, 0.5 + 0.01 * e) for e in range(1, epochs + 1)]})
+                       "val/acc": [(e, 0.5 + 0.01 * e) for e in range(1, epochs + 1)],
+                       **{tag: [(epochs, value)] for tag, value in (fit_values or {}).items()}})
     return run
 
 
@@ -375,6 +377,10 @@ def test_unfinished_runs_enter_the_report_once_their_test_has_begun(tmp_path, ca
     _sweep_run(sweep, "seed=0", True, _results(0.9, 0.8, True, 100), 10)
     _sweep_run(sweep, "seed=1", False, _results(0.8, 0.6, False, 40), 10)
     _sweep_run(sweep, "seed=2", False, None, 3)
+    stopped_early = {"complete": False, "clean_accuracy": 0.7, "lipschitz": {
+        "points": 8, "interrupted": "local Lipschitz stopped by SIGTERM after 8 points", "complete": False}}
+    _sweep_run(sweep, "seed=3", False, stopped_early, 10,  # its fit-stage values must not stand in for its test's
+               fit_values={"robust/pgd_L2_0.5": 0.99, "lipschitz/local_mean": 5.0})
     out = tmp_path / "results"
     assert report.main([str(sweep), "--out", str(out / "finished")]) == 0
     row = table_rows((out / "finished" / "report.md").read_text())["(base)"]
@@ -383,14 +389,16 @@ def test_unfinished_runs_enter_the_report_once_their_test_has_begun(tmp_path, ca
     assert report.main([str(sweep), "--out", str(out / "all"), "--unfinished"]) == 0
     text = (out / "all" / "report.md").read_text()
     row = table_rows(text)["(base)"]
-    assert row["seeds"] == "2" and row["unfinished"] == "1/2"
-    assert row["clean acc"] == f"{0.85:.3g} ± {statistics.stdev([0.9, 0.8]):.2g}"
-    assert row["pgd_L2_0.5"] == f"{0.7:.3g} ± {statistics.stdev([0.8, 0.6]):.2g}"
+    assert row["seeds"] == "3" and row["unfinished"] == "2/3"
+    assert row["clean acc"] == f"{0.8:.3g} ± {statistics.stdev([0.9, 0.8, 0.7]):.2g}"
+    assert row["pgd_L2_0.5"] == f"{0.7:.3g} ± {statistics.stdev([0.8, 0.6]):.2g}"  # not seed 3's 0.99 of fit
+    assert "Lip local mean" not in row  # seed 3's only Lipschitz value is from fit
     assert "test-set values" in text
     section = text[text.index("## Unfinished runs"):]
     assert "`seed=1`: autoattack_L2_0.5 stopped by SIGTERM after 40 points" in section
     assert "autoattack_L2_0.5 on 40 points" in section
     assert "`seed=2`: training, 3 of 10 epochs, validation accuracy 0.530; not in the table" in section
+    assert "`seed=3`: local Lipschitz stopped by SIGTERM after 8 points" in section
     assert "`seed=0`" not in section
 
     only_training = tmp_path / "training"

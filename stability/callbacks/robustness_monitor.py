@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import nn
 
 from .. import tags
 from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
@@ -165,13 +166,14 @@ class RobustnessMonitor(L.Callback):
                         out["radius"] = certified_radii(exact(images.double()), labels, bound)
                 return out
 
-            attacked = {size: attacked_network(network, size, self.compile)
-                        for size in {self._batch_size(spec) for spec in specs}}
+            # what each attack calls: compiled, at its batch size, or at its points where they are fewer
+            sizes = {s.label: min(self._batch_size(s), prefix[s.label]) for s in specs}
+            networks = {size: attacked_network(network, size, self.compile) for size in set(sizes.values())}
+            attacked = {label: networks[size] for label, size in sizes.items()}
 
             def attack(spec: AttackSpec):
                 def measure(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-                    return {spec.label: survivors(attacked[self._batch_size(spec)], images, labels, spec, settings,
-                                                  index)}
+                    return {spec.label: survivors(attacked[spec.label], images, labels, spec, settings, index)}
                 return measure
 
             batches_of: dict[str, list] = {}
@@ -184,7 +186,7 @@ class RobustnessMonitor(L.Callback):
                 for spec in specs:  # each attack over its points in turn: batch b attacked with seed + b, as ever
                     batches_of[spec.label] = measure_batches(dataset, prefix[spec.label], self._batch_size(spec),
                                                              pl_module.device, attack(spec), session, spec.label,
-                                                             attacked[self._batch_size(spec)])
+                                                             attacked[spec.label])
             except MeasurementInterrupted as stopped:
                 self._interrupted(trainer, pl_module, stage, stopped, batches_of, count, specs, prefix, bound,
                                   dataset, session)
@@ -196,33 +198,36 @@ class RobustnessMonitor(L.Callback):
     def _batch_size(self, spec: AttackSpec) -> int:
         return self.autoattack_batch_size if spec.name.startswith("autoattack") else self.batch_size
 
-    def _say_plan(self, attacked: dict, dataset, specs, prefix, count, settings, device,
+    def _say_plan(self, attacked: dict[str, nn.Module], dataset, specs, prefix, count, settings, device,
                   stage: tags.Stage) -> None:
         """One line before the first attack: what runs on how many points, an upper bound on its time on this machine
         (FGSM and PGD: one forward and backward pass per point, measured now, times the passes each makes; the
         official AutoAttack: its calls per batch, each the network's pass on the batch and the attack's own work,
         both timed now — :mod:`~stability.robustness.autoattack_cost`), and the options that limit it."""
         images, labels = load(dataset, 0, min(count, 64), device)
-        network = attacked.get(self.batch_size, attacked[self.autoattack_batch_size])  # FGSM's and PGD's
-        per_pass = seconds_per_point(network, images, labels)
+        per_pass: dict[int, float] = {}  # per attacked network (id): a forward and backward pass per point
         parts, seconds, official = [], 0.0, {}
         for spec in specs:
+            network = attacked[spec.label]
+            if id(network) not in per_pass:
+                per_pass[id(network)] = seconds_per_point(network, images, labels)
             if spec.name == "autoattack":  # the official one: its calls per batch, timed once per norm and points
                 key = (spec.norm, prefix[spec.label])
                 if key not in official:  # its cost does not depend on the budget ε
-                    official[key] = autoattack_seconds(attacked[self.autoattack_batch_size], images, labels,
-                                                       prefix[spec.label], self.autoattack_batch_size, spec.norm,
-                                                       spec.eps, settings.autoattack_version, settings.num_classes)
+                    official[key] = autoattack_seconds(network, images, labels, prefix[spec.label],
+                                                       self.autoattack_batch_size, spec.norm, spec.eps,
+                                                       settings.autoattack_version, settings.num_classes)
                 seconds += official[key]
             else:
-                seconds += attack_passes(spec, settings) * paid_points(prefix[spec.label], network) * per_pass
+                seconds += attack_passes(spec, settings) * paid_points(prefix[spec.label], network) \
+                    * per_pass[id(network)]
             parts.append(f"{spec.label} on {prefix[spec.label]}")
         limits = "--robustness.test_num_points, --robustness.attack_num_points, --robustness.autoattack_num_points" \
             if stage == "test" else "--robustness.num_points, --robustness.every_n_epochs"
         worst = " if every point resists every attack" if any(s.name.startswith("autoattack") for s in specs) else ""
         rank_zero_info(f"robustness ({stage}): {', '.join(parts)} points — at most ≈ {format_seconds(seconds)} on this "
-                       f"machine{worst} ({per_pass * 1e3:.3g} ms a forward and backward pass per point); limit it "
-                       f"with {limits}")
+                       f"machine{worst} ({max(per_pass.values()) * 1e3:.3g} ms a forward and backward pass per "
+                       f"point); limit it with {limits}")
 
     def _interrupted(self, trainer, pl_module, stage: tags.Stage, stopped: MeasurementInterrupted,
                      batches_of: dict[str, list], count: int, specs, prefix, bound, dataset, session) -> None:
@@ -282,6 +287,7 @@ class RobustnessMonitor(L.Callback):
             "attacks": {s.label: {"attack": s.name, "norm": s.norm, "eps": s.eps, "points": prefix[s.label]}
                         for s in specs},
             "autoattack_version": self.autoattack_version,
+            "compiled": self.compile,  # the attacks' network (--robustness.compile): equal up to rounding
         }
         if log and trainer.is_global_zero:
             pl_module.log_dict({**robust, **certified}, sync_dist=True, rank_zero_only=True)

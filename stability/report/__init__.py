@@ -128,11 +128,15 @@ def unfinished_section(records, training) -> list[str]:
     lines = []
     for record in records:
         if record.status == "unfinished":
-            robustness = (record.results or {}).get("robustness") or {}
+            results = record.results or {}
+            robustness = results.get("robustness") or {}
             attacks = robustness.get("attacks") or {}
             measured = ", ".join(f"{label} on {a['points']}" for label, a in attacks.items())
-            stopped = robustness.get("interrupted", "its test has not finished")
-            lines.append(f"- `{record.path.name}`: {stopped}; the table has what was measured"
+            stops = [part["interrupted"] for part in (results.get("lipschitz"), robustness)
+                     if isinstance(part, dict) and part.get("interrupted")]
+            stopped = "; ".join(stops) or ("its test has finished, the sweep has not yet recorded the run as done"
+                                           if results.get("complete") else "its test has not finished")
+            lines.append(f"- `{record.path.name}`: {stopped}; the table has what its test measured"
                          + (f" ({measured} points)" if measured else ""))
     for record in training:
         epochs = record.scalars.get(tags.per_epoch(tags.TASK_LOSS), [])
@@ -145,7 +149,8 @@ def unfinished_section(records, training) -> list[str]:
     if not lines:
         return []
     return ["## Unfinished runs", "", "Included with `--unfinished`: a run whose test has begun enters the table with "
-            "the values measured so far; a run still training does not.", "", *lines, ""]
+            "the values its test measured so far (none from its training: a gap stays a gap); a run still training "
+            "does not.", "", *lines, ""]
 
 
 def run_names(records) -> dict[str, str]:

@@ -47,11 +47,17 @@ class RunRecord:
 
     def measured(self, group: str, stat: str) -> float | None:
         """A measurement's test-time value where the run has one, else its last value during fit."""
-        return self.last(tags.measurement(group, stat, "test"), tags.measurement(group, stat, "fit"))
+        return self.last(*(tags.measurement(group, stat, stage) for stage in self._stages))
+
+    @property
+    def _stages(self) -> tuple[str, ...]:
+        """Where a measurement's value may come from: the test, else the last of fit — but never fit for an unfinished
+        run whose test has begun (its other values are the test's: a stopped test's gap stays a gap)."""
+        return ("test",) if self.status == "unfinished" and self.results else ("test", "fit")
 
     def _group(self, group: str) -> dict[str, float]:
         """``{stat: value}`` of a measurement group: test-time values where present, else the last of fit."""
-        for stage in ("test", "fit"):
+        for stage in self._stages:
             prefix = tags.group(group, stage) + "/"
             found = {tag[len(prefix):]: values[-1][1] for tag, values in self.scalars.items()
                      if tag.startswith(prefix) and values}
@@ -71,7 +77,10 @@ class RunRecord:
         return {k.removeprefix("acc_"): v for k, v in self._group(tags.CERTIFIED).items() if k.startswith("acc_")}
 
     def _tested(self, part: str) -> bool:
-        return bool(self.results and self.results.get(part))
+        """The run's results.json has this part's values (a test stopped before they were measured has only its
+        points and the reason)."""
+        values = (self.results or {}).get(part)
+        return bool(values) and (part != "robustness" or "accuracy" in values)
 
     def lipschitz(self, stat: str) -> float | None:
         if self._tested("lipschitz") and stat in self.results["lipschitz"]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 BACKEND = "inductor"  # torch.compile's backend for ``compile=True`` (tests use a faster one)
+RECOMPILE_LIMIT = 32  # dynamo's cache entries per code object, at least, once a FixedBatch compiles
 
 
 class FixedBatch(nn.Module):
@@ -35,6 +36,11 @@ class FixedBatch(nn.Module):
         if batch_size < 1:
             raise ValueError(f"FixedBatch needs batch_size >= 1, got {batch_size}")
         self.network, self.batch_size = network, int(batch_size)
+        self.train(network.training)  # a new module starts in train mode: restoring its mode must not change the net
+        if compile:
+            # the network's forward is one code object for every compiled use: training (--model.compile), and
+            # three graphs per batch size here; past torch's limit (8) dynamo would quietly run it eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # not a submodule: the compiled wrapper shares the network's parameters and must not list them twice
         self.__dict__["_run"] = torch.compile(network, backend=BACKEND, dynamic=False) if compile else network
         self._warm = bool(compile)
@@ -45,11 +51,13 @@ class FixedBatch(nn.Module):
         call, so that nothing compiles inside an attack: the official AutoAttack's check for dynamic defences traces
         the first forward it runs and counts calls named ``backward`` or ``grad``, which compiling a backward makes;
         its counter is never reset, so it would warn at every later run in the process."""
+        from .attacks import evaluating, gradients_allowed
+
         self._warm = False
-        zeros = example.new_zeros(self.batch_size, *example.shape[1:])
-        with torch.no_grad():
-            self._run(zeros)
-        with torch.enable_grad():
+        zeros = example.detach().new_zeros(self.batch_size, *example.shape[1:])
+        with gradients_allowed(), evaluating(self):  # as the attacks run it: eval mode, no TF32 (both guarded)
+            with torch.no_grad():
+                self._run(zeros)
             self._run(zeros)  # an input that needs no gradient is a graph of its own
             x = zeros.clone().requires_grad_(True)
             torch.autograd.grad(self._run(x).sum(), x)
@@ -84,4 +92,4 @@ def attacked_network(network: nn.Module, batch_size: int, compile: bool) -> nn.M
     return FixedBatch(network, batch_size, compile=True) if compile else network
 
 
-__all__ = ["BACKEND", "FixedBatch", "attacked_network", "paid_points"]
+__all__ = ["BACKEND", "RECOMPILE_LIMIT", "FixedBatch", "attacked_network", "paid_points"]
