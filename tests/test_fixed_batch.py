@@ -107,7 +107,7 @@ def test_the_wrapper_leaves_the_network_in_its_mode(vit):
 def short_autoattack(network, images, labels):
     """The official AutoAttack's four attacks at a few iterations each (its standard version takes a minute here)."""
     attack = AutoAttack(network, norm="L2", eps=0.3, version="custom", attacks=["apgd-ce", "apgd-t", "fab-t", "square"],
-                        seed=0)
+                        seed=0, device=images.device)
     attack.apgd.n_iter = attack.apgd_targeted.n_iter = attack.fab.n_iter = 8
     attack.apgd_targeted.n_target_classes = attack.fab.n_target_classes = 2
     attack.square.n_queries = 40
@@ -189,4 +189,27 @@ def test_inductor_compiled_pgd_finds_what_eager_pgd_finds(digits):
     assert through.tolist() == eager.tolist()
     with torch.no_grad():
         torch.testing.assert_close(compiled(images), network(images), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_compiled_attacks_and_autoattack_match_eager(vit, digits):
+    """CUDA, inductor's kernels: PGD leaves the same points standing and AutoAttack's four attacks (short) find the
+    same adversarial images to float32 rounding, 13 points in batches of 8 (the second padded), and the
+    dynamic-defence counter stays at zero."""
+    import copy
+
+    network = copy.deepcopy(vit).cuda()
+    images, labels = (t[:13].cuda() for t in digits.val_set.tensors)
+    settings = AttackSettings(10, 5, None, "standard", 0)
+    torch._dynamo.reset()
+    compiled = attacked_network(network, 8, compile=True)
+    before = dict(checks.funcs)
+    spec = AttackSpec("pgd", "L2", 0.3)
+    for b, (i, j) in enumerate(((0, 8), (8, 13))):
+        eager = survivors(network, images[i:j], labels[i:j], spec, settings, b)
+        assert survivors(compiled, images[i:j], labels[i:j], spec, settings, b).tolist() == eager.tolist()
+    eager, through = (short_autoattack(net, images[2:7], labels[2:7]) for net in (network, compiled))
+    torch.testing.assert_close(through, eager, rtol=0, atol=1e-4)
+    assert dict(checks.funcs) == before
     torch._dynamo.reset()
