@@ -194,3 +194,48 @@ def test_the_4c3f_preset_has_gloros_shapes():
 def test_bad_shapes_are_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         build_backbone("lipcnn", "micro", img_size=8, in_chans=1, num_classes=10, **options)
+
+
+def test_measurements_compute_each_aol_weight_once_and_get_the_same_numbers(monkeypatch):
+    """Inside ``evaluating`` (every attack and estimate) the AOL layers multiply by effective weights computed once on
+    entry: no rescaling at each pass, the same logits and input gradients bit for bit; a weight changed inside is
+    rescaled again, and a float64 copy made inside computes its own, in float64."""
+    import copy
+
+    from stability.nn import aol
+    from stability.robustness.attacks import evaluating
+
+    network = random_network().float().eval()
+    images = torch.rand(6, 1, 8, 8, requires_grad=True)
+
+    def logits_and_gradient(net, x):
+        out = net(x)
+        return out.detach(), torch.autograd.grad(out.square().sum(), x)[0]
+
+    expected = logits_and_gradient(network, images)
+    layers = sum(isinstance(m, (AOLConv2d, AOLLinear)) for m in network.modules())
+    calls = []
+    counted = aol.aol_weight
+
+    def counting(weight):
+        calls.append(weight)
+        return counted(weight)
+
+    with evaluating(network):
+        monkeypatch.setattr(aol, "aol_weight", counting)
+        got = logits_and_gradient(network, images)
+        assert not calls  # frozen on entry
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+        dense = next(m for m in network.modules() if isinstance(m, AOLLinear))
+        with torch.no_grad():
+            dense.weight.mul_(2.0)  # changed inside the block: rescaled again
+        network(images)
+        assert len(calls) == 1
+        copied = copy.deepcopy(network).double()
+        out = copied(images.detach().double())
+        assert out.dtype == torch.float64 and len(calls) == 1 + layers
+    assert layers >= 3 and not aol._FROZEN  # outside the block nothing stays frozen
+    calls.clear()
+    network(images)
+    assert len(calls) == layers  # each pass rescales again

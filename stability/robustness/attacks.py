@@ -31,6 +31,7 @@ import torchattacks
 from pyautoattack import AutoAttack
 from torch import nn
 
+from ..nn.aol import frozen_aol_weights
 from ..nn.precision import float32_math
 from .pgd import PGD
 
@@ -102,13 +103,14 @@ def gradients_allowed() -> Iterator[None]:
 @contextlib.contextmanager
 def evaluating(network: nn.Module) -> Iterator[None]:
     """Eval mode, no autocast and IEEE float32 matmuls (no TF32) inside the block: measurements are
-    float32 whatever precision the run trains in."""
+    float32 whatever precision the run trains in. The weights do not change inside: AOL layers compute their
+    effective weights once (:func:`~stability.nn.aol.frozen_aol_weights`), not at each of the passes."""
     was_training = network.training
     network.eval()
     tensor = next(itertools.chain(network.parameters(), network.buffers()), None)
     device = "cpu" if tensor is None else tensor.device.type
     try:
-        with float32_math(device):
+        with float32_math(device), frozen_aol_weights(network):
             yield
     finally:
         network.train(was_training)

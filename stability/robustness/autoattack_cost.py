@@ -126,7 +126,8 @@ def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch
     def forward_backward() -> None:
         x = images.detach().clone().requires_grad_(True)  # ordinary tensors, also when made under inference mode
         loss = nn.functional.cross_entropy(network(x), labels.clone())
-        torch.autograd.grad(loss, [x, *weights])  # every weight's gradient, as FAB's backward; nothing accumulated
+        # every weight's gradient, as FAB's backward (AOL's frozen effective weights take none); nothing accumulated
+        torch.autograd.grad(loss, [x, *weights], allow_unused=True)
 
     def forward() -> None:
         with torch.no_grad():
