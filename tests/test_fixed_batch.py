@@ -179,6 +179,13 @@ def test_inductor_compiled_pgd_finds_what_eager_pgd_finds(digits):
     images, labels = (t[:24] for t in digits.val_set.tensors)
     settings = AttackSettings(10, 5, None, "standard", 0)
     torch._dynamo.reset()
+    try:
+        check_inductor_pgd(network, images, labels, settings)
+    finally:
+        torch._dynamo.reset()
+
+
+def check_inductor_pgd(network, images, labels, settings):
     compiled = attacked_network(network, 16, compile=True)
     spec = AttackSpec("pgd", "L2", 0.5)
     eager = [survivors(network, images[i:i + 16], labels[i:i + 16], spec, settings, b) for b, i in enumerate((0, 16))]
@@ -189,7 +196,6 @@ def test_inductor_compiled_pgd_finds_what_eager_pgd_finds(digits):
     assert through.tolist() == eager.tolist()
     with torch.no_grad():
         torch.testing.assert_close(compiled(images), network(images), rtol=1e-5, atol=1e-5)
-    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

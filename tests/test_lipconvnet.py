@@ -196,6 +196,25 @@ def test_bad_shapes_are_refused_by_name(options, message):
         build_backbone("lipcnn", "micro", img_size=8, in_chans=1, num_classes=10, **options)
 
 
+def test_a_failed_freeze_leaves_nothing_frozen(monkeypatch):
+    from stability.nn import aol
+    from stability.robustness.attacks import evaluating
+
+    network = random_network().float().eval()
+    original, seen = aol.aol_weight, []
+
+    def failing(weight):
+        seen.append(weight)
+        if len(seen) == 2:
+            raise RuntimeError("out of memory")
+        return original(weight)
+
+    monkeypatch.setattr(aol, "aol_weight", failing)
+    with pytest.raises(RuntimeError, match="out of memory"), evaluating(network):
+        pass
+    assert not aol._FROZEN
+
+
 def test_measurements_compute_each_aol_weight_once_and_get_the_same_numbers(monkeypatch):
     """Inside ``evaluating`` (every attack and estimate) the AOL layers multiply by effective weights computed once on
     entry: no rescaling at each pass, the same logits and input gradients bit for bit; a weight changed inside is
@@ -207,6 +226,15 @@ def test_measurements_compute_each_aol_weight_once_and_get_the_same_numbers(monk
 
     network = random_network().float().eval()
     images = torch.rand(6, 1, 8, 8, requires_grad=True)
+
+    def fresh(net, x):
+        """The logits with every AOL weight rescaled now, nothing frozen."""
+        saved = dict(aol._FROZEN)
+        aol._FROZEN.clear()
+        try:
+            return net(x).detach()
+        finally:
+            aol._FROZEN.update(saved)
 
     def logits_and_gradient(net, x):
         out = net(x)
@@ -229,12 +257,16 @@ def test_measurements_compute_each_aol_weight_once_and_get_the_same_numbers(monk
             assert torch.equal(a, b)
         dense = next(m for m in network.modules() if isinstance(m, AOLLinear))
         with torch.no_grad():
-            dense.weight.mul_(2.0)  # changed inside the block: rescaled again
-        network(images)
+            dense.weight.add_(torch.randn_like(dense.weight))  # changed inside the block: rescaled again
+        changed = network(images)
         assert len(calls) == 1
+        assert torch.equal(changed, fresh(network, images))
+        dense.weight = torch.nn.Parameter(torch.randn_like(dense.weight))  # replaced: rescaled again
+        assert torch.equal(network(images), fresh(network, images))
+        calls.clear()
         copied = copy.deepcopy(network).double()
         out = copied(images.detach().double())
-        assert out.dtype == torch.float64 and len(calls) == 1 + layers
+        assert out.dtype == torch.float64 and len(calls) == layers
     assert layers >= 3 and not aol._FROZEN  # outside the block nothing stays frozen
     calls.clear()
     network(images)

@@ -75,18 +75,38 @@ def schur_bound(parameter: torch.Tensor, dtype: torch.dtype = torch.float64) -> 
     return (weighted.flatten(1).sum(dim=1) / q).max().sqrt()
 
 
-# layer id → (layer, its effective weight, its parameter's version then): the weights frozen by frozen_aol_weights
-_FROZEN: dict[int, tuple[nn.Module, torch.Tensor, int]] = {}
+# layer id → (layer, its parameter, the parameter's version and storage then, its effective weight): the weights
+# frozen by frozen_aol_weights
+_FROZEN: dict[int, tuple[nn.Module, torch.Tensor, int, int, torch.Tensor]] = {}
+
+
+def _frozen_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The layer's frozen effective weight while its parameter is the one frozen, unchanged (same object, version
+    and storage, dtype and device), else None. In-place edits through ``.data`` are not seen: not supported."""
+    frozen = _FROZEN.get(id(layer))
+    if frozen is None:
+        return None
+    owner, parameter, version, pointer, weight = frozen
+    current = layer.weight
+    if owner is not layer or current is not parameter or current._version != version \
+            or current.data_ptr() != pointer or weight.dtype != current.dtype or weight.device != current.device:
+        return None
+    return weight
+
+
+def is_frozen(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is an AOL layer's parameter whose effective weight is frozen now (no gradient reaches
+    it through its layer)."""
+    return any(entry[1] is parameter for entry in _FROZEN.values())
 
 
 def _effective(layer: nn.Module) -> torch.Tensor:
-    """:func:`aol_weight` of the layer's parameter, or the one frozen for it while its parameter is unchanged (not
-    inside ``torch.compile``: a compiled graph computes its own)."""
+    """:func:`aol_weight` of the layer's parameter, or the one frozen for it (not inside ``torch.compile``: a
+    compiled graph computes its own)."""
     if not torch.compiler.is_compiling():
-        frozen = _FROZEN.get(id(layer))
-        if frozen is not None and frozen[0] is layer and frozen[2] == layer.weight._version \
-                and frozen[1].dtype == layer.weight.dtype and frozen[1].device == layer.weight.device:
-            return frozen[1]
+        frozen = _frozen_weight(layer)
+        if frozen is not None:
+            return frozen
     return aol_weight(layer.weight)
 
 
@@ -96,17 +116,21 @@ def frozen_aol_weights(network: nn.Module) -> Iterator[None]:
     without gradient, instead of recomputing PᵀP (or the kernel's self-correlation) at every pass: for measurements,
     whose thousands of passes neither change the weights nor differentiate them (the 4C3F anchor's dense layers:
     a pass on 50 points 3× faster on the CPU). The values are those each pass would compute. A layer whose parameter
-    has changed since (its version), or a copy of the network, computes its own again."""
-    layers = [m for m in network.modules() if isinstance(m, (AOLLinear, AOLConv2d)) and id(m) not in _FROZEN
-              and not m.weight.is_inference()]  # an inference tensor keeps no version: its changes could not be seen
+    has changed since (its version or storage), or been replaced, or a copy of the network, computes its own again;
+    so does a parameter made in inference mode, which keeps no version."""
+    local = {}
     with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, usable where gradients are allowed
-        for layer in layers:
-            _FROZEN[id(layer)] = (layer, aol_weight(layer.weight), layer.weight._version)
+        for layer in network.modules():
+            if isinstance(layer, (AOLLinear, AOLConv2d)) and id(layer) not in _FROZEN \
+                    and not layer.weight.is_inference():
+                weight = layer.weight
+                local[id(layer)] = (layer, weight, weight._version, weight.data_ptr(), aol_weight(weight))
     try:
+        _FROZEN.update(local)  # all at once: a failure above leaves nothing frozen
         yield
     finally:
-        for layer in layers:
-            _FROZEN.pop(id(layer), None)
+        for key in local:
+            _FROZEN.pop(key, None)
 
 
 class AOLLinear(nn.Linear):
@@ -196,4 +220,4 @@ def isometric_init_(layer: nn.Module) -> None:
 
 
 __all__ = ["AOLConv2d", "AOLLinear", "ChannelMaxMin", "StridedAOLConv", "aol_scale", "aol_weight",
-           "frozen_aol_weights", "gram", "isometric_init_", "schur_bound", "self_correlation"]
+           "frozen_aol_weights", "gram", "is_frozen", "isometric_init_", "schur_bound", "self_correlation"]

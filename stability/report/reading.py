@@ -89,6 +89,8 @@ class RunRecord:
 
     def attention_mean(self, stat: str) -> float | None:
         """The mean over attention layers of a per-layer diagnostic's last value (``attention/<layer>/<stat>``)."""
+        if self._stages == ("test",):  # these tags carry no stage: an unfinished test's gap stays a gap
+            return None
         prefix, suffix = f"{tags.ATTENTION}/", f"/{stat}"
         values = [series[-1][1] for tag, series in self.scalars.items()
                   if tag.startswith(prefix) and tag.endswith(suffix) and series]

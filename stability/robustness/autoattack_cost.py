@@ -119,15 +119,15 @@ def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch
     """(forward and a full backward, forward alone) of ``network`` on the batch ``images``, in seconds: the slower
     of two timed passes after a warm-up. The backward reaches every weight, as FAB's does (through
     ``torch.autograd.grad``: the weights' ``.grad`` are left alone)."""
+    from ..nn.aol import is_frozen
     from .attacks import evaluating, gradients_allowed
 
-    weights = [p for p in network.parameters() if p.requires_grad]
+    weights: list[torch.Tensor] = []
 
     def forward_backward() -> None:
         x = images.detach().clone().requires_grad_(True)  # ordinary tensors, also when made under inference mode
         loss = nn.functional.cross_entropy(network(x), labels.clone())
-        # every weight's gradient, as FAB's backward (AOL's frozen effective weights take none); nothing accumulated
-        torch.autograd.grad(loss, [x, *weights], allow_unused=True)
+        torch.autograd.grad(loss, [x, *weights])  # every weight's gradient, as FAB's backward; nothing accumulated
 
     def forward() -> None:
         with torch.no_grad():
@@ -135,6 +135,8 @@ def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch
 
     times = []
     with gradients_allowed(), evaluating(network):
+        # AOL's frozen effective weights take no gradient (nor do they in FAB's backward)
+        weights[:] = [p for p in network.parameters() if p.requires_grad and not is_frozen(p)]
         for step in (forward_backward, forward):
             step()  # warm-up
             runs = []
