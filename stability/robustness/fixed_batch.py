@@ -82,8 +82,9 @@ class FixedBatch(nn.Module):
 def paid_points(points: int, network: nn.Module) -> int:
     """The points an attack's passes cost on ``network``: a :class:`FixedBatch` pays its whole batch for the last,
     smaller one."""
-    size = getattr(network, "batch_size", None) if isinstance(network, FixedBatch) else None
-    return points if size is None else -(-points // size) * size
+    if not isinstance(network, FixedBatch):
+        return points
+    return -(-points // network.batch_size) * network.batch_size
 
 
 def attacked_network(network: nn.Module, batch_size: int, compile: bool) -> nn.Module:
