@@ -140,7 +140,7 @@ def test_the_measurements_say_their_share_of_an_epoch_and_warn_once_above_a_tent
 def test_monitor_options_are_checked():
     with pytest.raises(ValueError, match="unknown attack 'cw'"):
         RobustnessMonitor(attacks=("cw",))
-    with pytest.raises(ValueError, match="autoattack_batch_size must be >= 1 or None"):
+    with pytest.raises(ValueError, match="autoattack_batch_size must be >= 1, .memory. .* or None"):
         RobustnessMonitor(autoattack_batch_size=0)
     with pytest.raises(ValueError, match="every_n_epochs >= 0"):
         LipschitzMonitor(every_n_epochs=-1)

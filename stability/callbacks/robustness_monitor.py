@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import lightning as L
 import torch
@@ -29,6 +30,7 @@ from .. import tags
 from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
 from ..robustness.autoattack_cost import autoattack_seconds
+from ..robustness.batch_memory import MEMORY_SHARE, device_memory, memory_sized_batch
 from ..robustness.fixed_batch import attacked_network, paid_points
 from .bounds import exact_certificate
 from .measuring import (
@@ -64,7 +66,9 @@ class RobustnessMonitor(L.Callback):
         autoattack_batch_size: points the official AutoAttack (and ``autoattack_tap``) attacks at once (None:
             ``batch_size``). A batch is the unit a stopped test resumes from, so on a CPU, where a batch of points
             that resist takes an hour, smaller batches lose less to a SIGTERM; on a GPU larger ones cost little more
-            per batch. The batches' seeds (seed + b) make the numbers depend on it.
+            per batch. The batches' seeds (seed + b) make the numbers depend on it. ``memory``: the largest batch
+            whose estimated peak fits half the device's total memory, at most the points
+            (:mod:`~stability.robustness.batch_memory`); the same on every run on the same device and network.
         compile: attack through the network compiled at one batch shape (``torch.compile``; each attack's batch
             padded to its batch size: :mod:`~stability.robustness.fixed_batch`): one compilation per measurement
             where attacks leave many shapes, and on a GPU few large kernels in place of one launch per operation.
@@ -81,7 +85,8 @@ class RobustnessMonitor(L.Callback):
                  autoattack_version: str = "standard", attack_num_points: int | None = None,
                  autoattack_num_points: int | None = None,
                  certified_radii: Sequence[float] = (0.1, 0.25, 0.5, 1.0), pgd_steps: int = 10,
-                 batch_size: int = 256, autoattack_batch_size: int | None = None, compile: bool = False,
+                 batch_size: int = 256, autoattack_batch_size: int | Literal["memory"] | None = None,
+                 compile: bool = False,
                  seed: int = 0) -> None:
         for name in (*attacks, *test_attacks):
             if name not in ATTACKS:
@@ -93,8 +98,10 @@ class RobustnessMonitor(L.Callback):
                              ("autoattack_num_points", autoattack_num_points)):
             if value is not None and value < 1:
                 raise ValueError(f"{label} must be >= 1 or None (all points), got {value}")
-        if autoattack_batch_size is not None and autoattack_batch_size < 1:
-            raise ValueError(f"autoattack_batch_size must be >= 1 or None (batch_size), got {autoattack_batch_size}")
+        if autoattack_batch_size is not None and autoattack_batch_size != "memory" and (
+                isinstance(autoattack_batch_size, str) or autoattack_batch_size < 1):
+            raise ValueError(f"autoattack_batch_size must be >= 1, 'memory' (sized by the device's memory) or None "
+                             f"(batch_size), got {autoattack_batch_size!r}")
         if any(r < 0 for r in certified_radii):
             raise ValueError(f"certified_radii must be >= 0, got {list(certified_radii)}")
         self.every_n_epochs, self.num_points, self.test_num_points = every_n_epochs, num_points, test_num_points
@@ -152,11 +159,13 @@ class RobustnessMonitor(L.Callback):
                                   self.seed)
         with float32_network(pl_module.network) as network:
             bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64: rounding shrinks radii
+            aa_batch = self._autoattack_batch(trainer, network, dataset, specs, prefix, settings, pl_module.device,
+                                              stage)
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("robustness-" + store_key(
                     network, dataset, settings, [(s.label, prefix[s.label]) for s in specs], count, self.batch_size,
-                    self.certified_radii, self.autoattack_batch_size))
+                    self.certified_radii, aa_batch))
             session = Session.of(trainer, f"robustness ({stage})", store)
 
             def clean(index: int, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -167,7 +176,7 @@ class RobustnessMonitor(L.Callback):
                 return out
 
             # what each attack calls: compiled, at its batch size, or at its points where they are fewer
-            sizes = {s.label: min(self._batch_size(s), prefix[s.label]) for s in specs}
+            sizes = {s.label: min(self._batch_size(s, aa_batch), prefix[s.label]) for s in specs}
             networks = {size: attacked_network(network, size, self.compile) for size in set(sizes.values())}
             attacked = {label: networks[size] for label, size in sizes.items()}
 
@@ -182,24 +191,43 @@ class RobustnessMonitor(L.Callback):
                 batches_of["clean"] = measure_batches(dataset, count, self.batch_size, pl_module.device, clean,
                                                       session, name, exact)
                 if specs:
-                    self._say_plan(attacked, dataset, specs, prefix, count, settings, pl_module.device, stage)
+                    self._say_plan(attacked, dataset, specs, prefix, count, settings, pl_module.device, stage,
+                                   aa_batch)
                 for spec in specs:  # each attack over its points in turn: batch b attacked with seed + b, as ever
-                    batches_of[spec.label] = measure_batches(dataset, prefix[spec.label], self._batch_size(spec),
-                                                             pl_module.device, attack(spec), session, spec.label,
-                                                             attacked[spec.label])
+                    batches_of[spec.label] = measure_batches(dataset, prefix[spec.label],
+                                                             self._batch_size(spec, aa_batch), pl_module.device,
+                                                             attack(spec), session, spec.label, attacked[spec.label])
             except MeasurementInterrupted as stopped:
                 self._interrupted(trainer, pl_module, stage, stopped, batches_of, count, specs, prefix, bound,
-                                  dataset, session)
+                                  dataset, session, aa_batch)
                 return
         session.finished()
         self._record(trainer, pl_module, stage, _concatenated(batches_of), specs, prefix, count, bound, reason,
-                     dataset)
+                     dataset, aa_batch)
 
-    def _batch_size(self, spec: AttackSpec) -> int:
-        return self.autoattack_batch_size if spec.name.startswith("autoattack") else self.batch_size
+    def _batch_size(self, spec: AttackSpec, autoattack_batch: int) -> int:
+        return autoattack_batch if spec.name.startswith("autoattack") else self.batch_size
+
+    def _autoattack_batch(self, trainer, network: nn.Module, dataset, specs, prefix, settings, device,
+                          stage: tags.Stage) -> int:
+        """AutoAttack's batch size: as set, or (``memory``) sized by the device's total memory on rank 0 and
+        broadcast, so that every process splits the points alike."""
+        if self.autoattack_batch_size != "memory":
+            return self.autoattack_batch_size
+        points = max((prefix[s.label] for s in specs if s.name.startswith("autoattack")), default=0)
+        if not points:
+            return self.batch_size  # no AutoAttack in this measurement
+        size = 0
+        if trainer.is_global_zero:
+            images, labels = load(dataset, 0, min(points, 4), device)
+            memory = device_memory(device)
+            size = memory_sized_batch(network, images, labels, points, settings.num_classes, memory)
+            rank_zero_info(f"robustness ({stage}): AutoAttack attacks {size} points at once (--robustness."
+                           f"autoattack_batch_size memory: {MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB)")
+        return int(trainer.strategy.broadcast(size, src=0))
 
     def _say_plan(self, attacked: dict[str, nn.Module], dataset, specs, prefix, count, settings, device,
-                  stage: tags.Stage) -> None:
+                  stage: tags.Stage, autoattack_batch: int) -> None:
         """One line before the first attack: what runs on how many points, an upper bound on its time on this machine
         (FGSM and PGD: one forward and backward pass per point, measured now, times the passes each makes; the
         official AutoAttack: its calls per batch, each the network's pass on the batch and the attack's own work,
@@ -215,7 +243,7 @@ class RobustnessMonitor(L.Callback):
                 key = (spec.norm, prefix[spec.label])
                 if key not in official:  # its cost does not depend on the budget ε
                     official[key] = autoattack_seconds(network, images, labels, prefix[spec.label],
-                                                       self.autoattack_batch_size, spec.norm, spec.eps,
+                                                       autoattack_batch, spec.norm, spec.eps,
                                                        settings.autoattack_version, settings.num_classes)
                 seconds += official[key]
             else:
@@ -230,7 +258,8 @@ class RobustnessMonitor(L.Callback):
                        f"point); limit it with {limits}")
 
     def _interrupted(self, trainer, pl_module, stage: tags.Stage, stopped: MeasurementInterrupted,
-                     batches_of: dict[str, list], count: int, specs, prefix, bound, dataset, session) -> None:
+                     batches_of: dict[str, list], count: int, specs, prefix, bound, dataset, session,
+                     autoattack_batch: int) -> None:
         """SIGTERM during a measurement. At test: the points measured so far are recorded (each with its number of
         points; results.json says the run is incomplete), the finished batches stay for a rerun to resume from, and
         the run stops (exit status 143). During fit: this validation's measurement is dropped and the fit stops at its
@@ -246,7 +275,7 @@ class RobustnessMonitor(L.Callback):
         if "clean" in measured and measured["clean"] == count:
             points = {s.label: measured.get(s.label, 0) for s in specs}
             self._record(trainer, pl_module, stage, _concatenated(partial), [s for s in specs if points[s.label]],
-                         points, count, bound, "", dataset, log=False)
+                         points, count, bound, "", dataset, autoattack_batch, log=False)
         else:
             self.last_results[stage] = {"points": measured.get("clean", 0)}
         self.last_results[stage].update(interrupted=done, complete=False)
@@ -256,7 +285,7 @@ class RobustnessMonitor(L.Callback):
         raise SIGTERMException
 
     def _record(self, trainer, pl_module, stage: tags.Stage, masks: dict[str, torch.Tensor], specs, prefix, count,
-                bound, reason, dataset, log: bool = True) -> None:
+                bound, reason, dataset, autoattack_batch: int, log: bool = True) -> None:
         radii = masks.pop("radius", None)
         attacked = max((prefix[s.label] for s in specs if not s.name.startswith("autoattack")), default=count)
         aa_count = max((prefix[s.label] for s in specs if s.name.startswith("autoattack")), default=attacked)
@@ -287,6 +316,7 @@ class RobustnessMonitor(L.Callback):
             "attacks": {s.label: {"attack": s.name, "norm": s.norm, "eps": s.eps, "points": prefix[s.label]}
                         for s in specs},
             "autoattack_version": self.autoattack_version,
+            "autoattack_batch_size": autoattack_batch if any(s.name.startswith("autoattack") for s in specs) else None,
             "compiled": self.compile,  # the attacks' network (--robustness.compile): equal up to rounding
         }
         if log and trainer.is_global_zero:

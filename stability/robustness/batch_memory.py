@@ -1,0 +1,72 @@
+"""The official AutoAttack's batch sized by the device's memory (``--robustness.autoattack_batch_size memory``).
+
+AutoAttack's time is set by its calls of the network per batch (at most 7,888 for the standard version,
+:mod:`~stability.robustness.autoattack_cost`), not by the points in the batch, so on a GPU the fastest batch is the
+largest that fits. Its size here is
+
+    b = ⌊(share · total memory − fixed bytes) / bytes per point⌋,   clipped to [1, points],
+
+where a point's bytes are those autograd saves for one forward and backward pass of the network to its input
+(counted at 2 and 4 points: the count is affine in the batch, tested), doubled for the pass's transient tensors and
+gradients, plus ``16 + classes`` copies of the input for the attack's own buffers (APGD's iterates and best points,
+FAB's per-class gradients in its untargeted version). ``share`` (one half by default) leaves room for what the count
+does not see. The device's *total* memory is used, not what is free now, so the size, and with it the batches' seeds
+and the numbers, is the same on every run on the same device and network: a stopped test resumes from its batches.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ..testing.profiling import saved_for_backward
+
+MEMORY_SHARE = 0.5
+TRANSIENT_FACTOR = 2  # a pass's peak beside what it saves: its transient activations and the gradients
+
+
+def saved_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> int:
+    """Bytes autograd saves for the cross-entropy's gradient to the input on ``images`` (each storage once)."""
+    from .attacks import evaluating, gradients_allowed
+
+    def attacked_pass() -> None:
+        x, y = images.detach().clone().requires_grad_(True), labels.clone()  # ordinary tensors, not inference ones
+        loss = nn.functional.cross_entropy(network(x), y)
+        torch.autograd.grad(loss, x)
+
+    with gradients_allowed(), evaluating(network):
+        return saved_for_backward(attacked_pass)
+
+
+def pass_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(bytes per point, bytes independent of the batch) that a forward and backward pass to the input saves,
+    from the counts at 2 and 4 points (``images`` repeated as needed)."""
+    counts = []
+    for size in (2, 4):
+        index = torch.arange(size, device=images.device) % len(images)
+        counts.append(saved_bytes(network, images[index], labels[index]))
+    per_point = max(0, (counts[1] - counts[0]) // 2)
+    return per_point, max(0, counts[0] - 2 * per_point)
+
+
+def device_memory(device: torch.device | str) -> int:
+    """Total memory of ``device`` in bytes: the GPU's, or the machine's RAM for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def memory_sized_batch(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, points: int, num_classes: int,
+                       memory: int, share: float = MEMORY_SHARE) -> int:
+    """The largest AutoAttack batch whose estimated peak fits ``share`` of ``memory`` bytes, at most ``points``."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    per_point, fixed = pass_bytes(network, images, labels)
+    per_point = TRANSIENT_FACTOR * per_point + (16 + num_classes) * images[0].numel() * images.element_size()
+    room = share * memory - TRANSIENT_FACTOR * fixed
+    return int(max(1, min(points, room // per_point)))
+
+
+__all__ = ["MEMORY_SHARE", "device_memory", "memory_sized_batch", "pass_bytes", "saved_bytes"]

@@ -1,0 +1,111 @@
+"""AutoAttack's batch sized by memory (``--robustness.autoattack_batch_size memory``): the bytes a pass saves are
+counted right (against a count by hand), are affine in the batch (so two counts give every batch), and the batch
+chosen is the largest whose estimate fits the share of memory; the monitor takes the option end to end."""
+import json
+import os
+
+import pytest
+import torch
+
+from stability.callbacks.robustness_monitor import RobustnessMonitor
+from stability.classifier import ImageClassifier
+from stability.cli import main
+from stability.models.lipconvnet import LipConvNet
+from stability.robustness import batch_memory
+from stability.robustness.batch_memory import TRANSIENT_FACTOR, memory_sized_batch, pass_bytes, saved_bytes
+
+
+def mlp(d: int = 64, h: int = 32, c: int = 10) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(d, h), torch.nn.ReLU(), torch.nn.Linear(h, c))
+
+
+@pytest.fixture
+def tiny_vit() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ImageClassifier(backbone_options=dict(embed_dim=16, depth=1, num_heads=2)).network
+
+
+def points(n: int, shape=(1, 8, 8), classes: int = 10):
+    gen = torch.Generator().manual_seed(n)
+    return torch.rand(n, *shape, generator=gen), torch.randint(classes, (n,), generator=gen)
+
+
+def test_a_pass_saves_what_the_network_needs_for_its_backward_counted_by_hand():
+    """Flatten → Linear(64, 32) → ReLU → Linear(32, 10) → cross-entropy, the input's and the weights' gradients
+    allowed: per point the input (64 floats), the ReLU's output (32; the second layer's input is the same storage),
+    the log-softmax (10) and the label (one int64); once, the two weight matrices and the loss's total weight (a
+    float32 scalar)."""
+    network = mlp()
+    per_point, fixed = pass_bytes(network, *points(4))
+    assert per_point == 4 * (64 + 32 + 10) + 8
+    assert fixed == 4 * (64 * 32 + 32 * 10) + 4
+
+
+@pytest.mark.parametrize("model", ["mlp", "vit", "lipconvnet"])
+def test_the_count_is_affine_in_the_batch(model, tiny_vit):
+    network = {"mlp": mlp, "vit": lambda: tiny_vit, "lipconvnet": lambda: LipConvNet(
+        8, 1, 10, convs=((4, 3, 1), (4, 4, 2)), dense=(16,))}[model]()
+    per_point, fixed = pass_bytes(network, *points(4))
+    assert per_point > 0
+    for n in (1, 3, 7):
+        images, labels = points(n)
+        assert saved_bytes(network, images, labels) == fixed + n * per_point, n
+
+
+def test_the_batch_is_the_largest_whose_estimate_fits():
+    network, (images, labels) = mlp(), points(4)
+    per_image = images[0].numel() * images.element_size()
+
+    def estimate(b: int) -> int:  # counted afresh at b points, not from the two counts the function makes
+        x, y = images[torch.arange(b) % 4], labels[torch.arange(b) % 4]
+        return TRANSIENT_FACTOR * saved_bytes(network, x, y) + (16 + 10) * b * per_image
+
+    memory = 2 * estimate(37) + 1000  # half of it holds 37 points, not 38
+    size = memory_sized_batch(network, images, labels, 10_000, 10, memory)
+    assert size == 37 and estimate(size) <= memory / 2 < estimate(size + 1)
+    assert memory_sized_batch(network, images, labels, 20, 10, memory) == 20  # never more than the points
+    assert memory_sized_batch(network, images, labels, 20, 10, 100) == 1  # at least one
+    with pytest.raises(ValueError, match="share must be in"):
+        memory_sized_batch(network, images, labels, 20, 10, memory, share=0)
+
+
+def test_the_device_memory_is_the_machines():
+    assert batch_memory.device_memory("cpu") > 2 ** 28
+
+
+def test_bad_autoattack_batch_sizes_are_refused():
+    assert RobustnessMonitor(autoattack_batch_size="memory").autoattack_batch_size == "memory"
+    for bad in (0, "maybe"):
+        with pytest.raises(ValueError, match="autoattack_batch_size must be >= 1, 'memory'"):
+            RobustnessMonitor(autoattack_batch_size=bad)
+
+
+def test_the_monitor_sizes_autoattack_by_memory(tmp_path, tiny_vit_args, caplog):
+    """A fit and its test with the official AutoAttack on 4 points, batch sized by memory: all 4 at once."""
+    os.chdir(tmp_path)
+    caplog.set_level("INFO")
+    main(["fit", *tiny_vit_args, "--trainer.max_epochs", "1", "--lipschitz.every_n_epochs", "0",
+          "--test_after_fit", "true", "--robustness.every_n_epochs", "1", "--robustness.num_points", "8",
+          "--robustness.test_num_points", "8", "--robustness.attacks", "[]", "--robustness.test_attacks",
+          "[autoattack]", "--robustness.autoattack_num_points", "4", "--robustness.batch_size", "2",
+          "--robustness.autoattack_batch_size", "memory"])
+    (path,) = tmp_path.rglob("results.json")
+    robustness = json.loads(path.read_text())["robustness"]
+    assert robustness["autoattack_batch_size"] == 4 and robustness["autoattack_points"] == 4
+    assert "AutoAttack attacks 4 points at once" in caplog.text
+
+
+@pytest.mark.gpu
+def test_a_pass_on_the_gpu_stays_inside_its_estimate(tiny_vit):
+    """The CUDA allocator's peak over a forward and backward pass at 256 points is at most the estimate."""
+    device = torch.device("cuda")
+    network = tiny_vit.to(device)
+    images, labels = (t.to(device) for t in points(256))
+    per_point, fixed = pass_bytes(network, images[:4], labels[:4])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    saved_bytes(network, images, labels)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    assert peak <= TRANSIENT_FACTOR * (fixed + 256 * per_point)
