@@ -9,7 +9,15 @@ from stability.callbacks.bounds import exact_certificate
 from stability.classifier import ImageClassifier
 from stability.lipschitz.certified import certified_bound
 from stability.models import Network, build_backbone
-from stability.nn.aol import AOLConv2d, AOLLinear, ChannelMaxMin, StridedAOLConv, aol_weight, isometric_init_
+from stability.nn.aol import (
+    AOLConv2d,
+    AOLLinear,
+    ChannelMaxMin,
+    StridedAOLConv,
+    aol_weight,
+    isometric_init_,
+    padded_conv2d,
+)
 from stability.robustness import certified_radii
 
 
@@ -88,6 +96,44 @@ def test_the_anchor_compiles_in_one_graph_with_the_rescaling_out_of_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled = torch.compile(layer.effective_weight, backend="eager")()
     torch.testing.assert_close(compiled, layer.effective_weight(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("pads", [(1, 1, 1, 1), (0, 1, 0, 1), (0, 2, 0, 2), (2, 0, 1, 3), (0, 3, 0, 0)])
+def test_the_convolutions_padding_equals_padding_the_input(pads, stride):
+    """padded_conv2d against the definition F.conv2d(F.pad(x, pads)), in float64, values and both gradients, on even
+    and odd sizes; a window shifted by one pixel (what a wrong cut of the output gives) is far from it."""
+    gen = torch.Generator().manual_seed(sum(pads) + stride)
+    weight = torch.randn(3, 2, 3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, generator=gen, dtype=torch.float64)
+    for size in ((9, 8), (8, 11)):
+        x = torch.randn(2, 2, *size, generator=gen, dtype=torch.float64, requires_grad=True)
+        mine, reference = padded_conv2d(x, weight, bias, pads, stride), F.conv2d(F.pad(x, pads), weight, bias, stride)
+        assert mine.shape == reference.shape
+        torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12)
+        grad = torch.randn(reference.shape, generator=gen, dtype=torch.float64)
+        for got, want in zip(torch.autograd.grad(mine, (x, weight), grad), torch.autograd.grad(reference, (x, weight),
+                                                                                                grad)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        shifted = F.conv2d(F.pad(x, (pads[0] + 1, max(0, pads[1] - 1), *pads[2:])), weight, bias, stride)
+        columns = min(shifted.shape[-1], reference.shape[-1])
+        assert float((shifted[..., :columns] - reference[..., :columns]).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("size", [8, 7])
+def test_the_strided_convolution_is_its_blockwise_definition(size):
+    """StridedAOLConv as one k × k convolution of stride 2 equals zero padding, pixel_unshuffle and the AOL
+    convolution, in float64: values, the input's and the parameter's gradients."""
+    torch.manual_seed(size)
+    layer = StridedAOLConv(3, 4, 4).double()
+    x = torch.randn(2, 3, size, size, dtype=torch.float64, requires_grad=True)
+    mine, reference = layer(x), layer.blockwise(x)
+    assert mine.shape == reference.shape == (2, 4, (size + 1) // 2, (size + 1) // 2)
+    torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(reference)
+    for got, want in zip(torch.autograd.grad(mine, (x, layer.conv.weight), grad),
+                         torch.autograd.grad(reference, (x, layer.conv.weight), grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_maxmin_over_channels_permutes_each_point():
