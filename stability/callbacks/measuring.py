@@ -249,12 +249,10 @@ def seconds_per_point(network: nn.Module, images: torch.Tensor, labels: torch.Te
     attack's cost); a :class:`~stability.robustness.fixed_batch.FixedBatch` on its whole batch (``images``
     repeated), after a warm-up pass that compiles it."""
     from ..robustness.attacks import evaluating, gradients_allowed
-    from ..robustness.fixed_batch import FixedBatch
+    from ..robustness.fixed_batch import FixedBatch, repeated_to
 
     if isinstance(network, FixedBatch):  # timed on one whole batch, the shape it always computes
-        reps = -(-network.batch_size // len(images))
-        images = images.repeat(reps, *([1] * (images.ndim - 1)))[:network.batch_size]
-        labels = labels.repeat(reps)[:network.batch_size]
+        images, labels = repeated_to(network.batch_size, images, labels)
     with gradients_allowed(), evaluating(network):
         x, labels = images.detach().clone().requires_grad_(True), labels.clone()  # ordinary tensors
         for timed in (False, True):

@@ -26,6 +26,8 @@ import time
 import torch
 from torch import nn
 
+from .fixed_batch import repeated_to
+
 # (calls with a backward pass, calls without) per batch, every point resisting every attack (ℓ∞ and ℓ2; the
 # standard version at ℓ1 runs APGD with 5 restarts and 5 targets: CALLS_L1)
 CALLS: dict[str, dict[str, tuple[int, int]]] = {
@@ -159,8 +161,7 @@ def autoattack_seconds(network: nn.Module, images: torch.Tensor, labels: torch.T
     call, times :data:`MARGIN`. ``images``, ``labels``: points of the measurement (the first batch is timed at the
     batch size; fewer points are repeated to it)."""
     size = min(points, batch_size)
-    reps = math.ceil(size / len(images))
-    batch, batch_labels = images.repeat(reps, *([1] * (images.ndim - 1)))[:size], labels.repeat(reps)[:size]
+    batch, batch_labels = repeated_to(size, images, labels)
     backward, forward = network_pass_seconds(network, batch, batch_labels)
     overheads = attack_overheads(batch, classes, norm, eps, version)
     per_batch = 0.0

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..testing.profiling import saved_for_backward
+from .fixed_batch import repeated_to
 
 MEMORY_SHARE = 0.5
 TRANSIENT_FACTOR = 2  # a pass's peak beside what it saves: its transient activations and the gradients
@@ -42,10 +43,7 @@ def saved_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) 
 def pass_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
     """(bytes per point, bytes independent of the batch) that a forward and backward pass to the input saves,
     from the counts at 2 and 4 points (``images`` repeated as needed)."""
-    counts = []
-    for size in (2, 4):
-        index = torch.arange(size, device=images.device) % len(images)
-        counts.append(saved_bytes(network, images[index], labels[index]))
+    counts = [saved_bytes(network, *repeated_to(size, images, labels)) for size in (2, 4)]
     per_point = max(0, (counts[1] - counts[0]) // 2)
     return per_point, max(0, counts[0] - 2 * per_point)
 

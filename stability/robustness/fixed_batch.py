@@ -87,10 +87,17 @@ def paid_points(points: int, network: nn.Module) -> int:
     return -(-points // network.batch_size) * network.batch_size
 
 
+def repeated_to(size: int, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``size`` of ``images`` and ``labels`` repeated end to end: a batch of ``size`` points to time or
+    count a pass on, from however many points are at hand."""
+    index = torch.arange(size, device=labels.device) % len(labels)
+    return images[index], labels[index]
+
+
 def attacked_network(network: nn.Module, batch_size: int, compile: bool) -> nn.Module:
     """What an attack on batches of ``batch_size`` calls: ``network`` itself (eager, every shape as it comes), or,
     compiled, the network at that one batch shape (:class:`FixedBatch`)."""
     return FixedBatch(network, batch_size, compile=True) if compile else network
 
 
-__all__ = ["BACKEND", "RECOMPILE_LIMIT", "FixedBatch", "attacked_network", "paid_points"]
+__all__ = ["BACKEND", "RECOMPILE_LIMIT", "FixedBatch", "attacked_network", "paid_points", "repeated_to"]
