@@ -391,7 +391,7 @@ def test_unfinished_runs_enter_the_report_once_their_test_has_begun(tmp_path, ca
     row = table_rows(text)["(base)"]
     assert row["seeds"] == "3" and row["unfinished"] == "2/3"
     assert row["clean acc"] == f"{0.8:.3g} ± {statistics.stdev([0.9, 0.8, 0.7]):.2g}"
-    assert row["pgd_L2_0.5"] == f"{0.7:.3g} ± {statistics.stdev([0.8, 0.6]):.2g}"  # not seed 3's 0.99 of fit
+    assert row["pgd_L2_0.5"] == f"{0.7:.3g} ± {statistics.stdev([0.8, 0.6]):.2g} (2/3)"  # not seed 3's 0.99 of fit
     assert "Lip local mean" not in row  # seed 3's only Lipschitz value is from fit
     assert "test-set values" in text
     section = text[text.index("## Unfinished runs"):]
@@ -405,3 +405,22 @@ def test_unfinished_runs_enter_the_report_once_their_test_has_begun(tmp_path, ca
     _sweep_run(only_training, "seed=2", False, None, 3)
     assert report.main([str(only_training), "--out", str(out / "none"), "--unfinished"]) == 2
     assert "1 still training" in capsys.readouterr().err
+
+
+def test_a_worst_case_is_averaged_over_runs_that_ran_the_same_attacks(tmp_path):
+    """Seed 0 ran PGD and AutoAttack at ℓ2 0.5, seed 1 PGD alone: their worst cases are not the same quantity, so the
+    worst-case cell is seed 0's, marked 1 of 2 runs, as is the AutoAttack cell; PGD averages both."""
+    sweep = tmp_path / "sweep"
+    for seed, (pgd, autoattack) in enumerate([(0.8, 0.5), (0.6, None)]):
+        results = _results(0.9, pgd, True, 100)
+        robustness = results["robustness"]
+        if autoattack is None:
+            del robustness["attacks"]["autoattack_L2_0.5"]
+            robustness["accuracy"]["worst_L2_0.5"] = pgd
+        else:
+            robustness["accuracy"].update({"autoattack_L2_0.5": autoattack, "worst_L2_0.5": autoattack})
+        _sweep_run(sweep, f"seed={seed}", True, results, 10)
+    assert report.main([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    row = table_rows((tmp_path / "out" / "report.md").read_text())["(base)"]
+    assert row["worst_L2_0.5"] == "0.5 (1/2)" and row["autoattack_L2_0.5"] == "0.5 (1/2)"
+    assert row["pgd_L2_0.5"] == f"{0.7:.3g} ± {statistics.stdev([0.8, 0.6]):.2g}"

@@ -81,11 +81,13 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str, cost: str 
     test_time = any(tags.stage_metric("test", "acc") in r.scalars or (r.results or {}).get("clean_accuracy")
                     is not None for r in records)
     lines = [f"# {study}", "", f"Made by `{command}` from {len(records)} runs in `{runs_dir}`.", "",
-             "Mean ± sample std over seeds; " + ("test-set values (after fit)" if test_time else
+             "Mean ± sample std over seeds, and where a cell's values come from fewer runs than the "
+             "configuration's, how many (k/n); " + ("test-set values (after fit)" if test_time else
                                                  "last values logged during fit (validation subset)")
              + "; diverged runs count only in `diverged`. Robust columns: empirical robust accuracy, "
                "attack_norm_ε (`autoattack` is the official AutoAttack, `autoattack_tap` torchattacks' weaker one; "
-               "`worst`: the share of points that survive every attack at that budget) on the attacked points, "
+               "`worst`: the share of points that survive every attack at that budget, averaged only over the runs "
+               "that ran the most attacks there) on the attacked points, "
                "whose clean accuracy is `clean (attack subset)` (`clean (AutoAttack subset)` where AutoAttack ran "
                "on fewer); `cert norm_ε`: certified accuracy from the model's certified Lipschitz bound; "
                "`Lip local`: power-iteration estimate of ‖J_f(x)‖₂ per point (a local estimate, never a "

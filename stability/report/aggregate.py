@@ -93,12 +93,15 @@ class Configuration:
         return sum(r.status == "diverged" for r in self.runs)
 
     def values(self, column: str) -> list[float]:
-        out = []
-        for run in self.finished:
-            value = run.summary.get(column)
-            if value is not None and math.isfinite(value):
-                out.append(value)
-        return out
+        """The column's finite values over the finished runs. A worst case (``worst_<budget>``) is averaged only over
+        the runs that ran the most attacks at that budget (then on the most points): a worst case over PGD alone is
+        not one over PGD and AutoAttack."""
+        runs = [r for r in self.finished if r.summary.get(column) is not None and math.isfinite(r.summary[column])]
+        if column.startswith("worst_") and runs:
+            bases = {id(r): r.attacks_at(column[len("worst_"):]) or () for r in runs}
+            strongest = max(bases.values(), key=lambda basis: (len(basis), sum(points for _, points in basis)))
+            runs = [r for r in runs if bases[id(r)] == strongest]
+        return [r.summary[column] for r in runs]
 
 
 def group(records: list[RunRecord]) -> list[Configuration]:
@@ -118,6 +121,13 @@ def mean_std(values: list[float], digits: int = 3) -> str:
     if len(values) == 1:
         return f"{mean:.{digits}g}"
     return f"{mean:.{digits}g} ± {statistics.stdev(values):.2g}"
+
+
+def covered(config: Configuration, column: str) -> str:
+    """The column's mean ± std, with how many of the configuration's runs it is over where that is not all of them."""
+    values = config.values(column)
+    cell = mean_std(values, 2 if column == "s/epoch" else 3)
+    return f"{cell} ({len(values)}/{len(config.finished)})" if 0 < len(values) < len(config.finished) else cell
 
 
 def columns(configurations: list[Configuration]) -> list[str]:
@@ -159,6 +169,6 @@ def table(configurations: list[Configuration]) -> str:
         cells = [config.label, str(len(config.runs)), f"{config.diverged}/{len(config.runs)}"]
         if unfinished:
             cells.append(f"{sum(r.status == 'unfinished' for r in config.runs)}/{len(config.runs)}")
-        cells += [mean_std(config.values(c), 2 if c == "s/epoch" else 3) for c in cols]
+        cells += [covered(config, c) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

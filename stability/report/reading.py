@@ -70,6 +70,15 @@ class RunRecord:
         values = self.results["robustness"]["accuracy"] if self._tested("robustness") else self._group(tags.ROBUST)
         return {k: v for k, v in values.items() if k not in NOT_ATTACKS}
 
+    def attacks_at(self, budget: str) -> tuple[tuple[str, int], ...] | None:
+        """The attacks its test ran at a budget (``L2_1.58``) with their points: what its ``worst_<budget>`` is the
+        worst case over. None where the value is not from a test's results.json."""
+        if not self._tested("robustness"):
+            return None
+        attacks = self.results["robustness"].get("attacks", {})
+        return tuple(sorted((spec["attack"], int(spec["points"])) for label, spec in attacks.items()
+                            if "_".join(label.rsplit("_", 2)[1:]) == budget))
+
     def certified(self) -> dict[str, float]:
         """``{budget: certified accuracy}``, e.g. ``L2_0.5``."""
         if self._tested("robustness"):
