@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -22,6 +22,9 @@ from .nn.precision import accumulation_dtype, at_least_float32
 from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, param_groups
 from .stabilizers import ForwardStep, Stabilizer, build_stabilizers, stabilizer_names
 
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes whose CUDA kernels torch.compile captures as graphs
 CROSS_ENTROPY = "cross_entropy"  # logged beside a replaced task loss, not optimised
 
 
@@ -55,6 +58,10 @@ class ImageClassifier(L.LightningModule):
             that logs). Checkpoints keep the plain network's keys. A step whose forward a callback observes through
             hooks (the training-stability signals, on logging steps) runs eagerly; a stabilizer that needs hooks on
             every step is refused, with the reason.
+        compile_mode: torch.compile's ``mode``: ``default``; ``reduce-overhead`` (on CUDA the compiled forward and
+            backward are captured as CUDA graphs and replayed, one launch in place of one per kernel: a small model's
+            step is host time; elsewhere as ``default``); ``max-autotune`` (kernel autotuning, with CUDA graphs);
+            ``max-autotune-no-cudagraphs``.
     """
 
     def __init__(
@@ -80,12 +87,17 @@ class ImageClassifier(L.LightningModule):
         decay_start: float = 0.0,
         label_smoothing: float = 0.0,
         compile: bool = False,
+        compile_mode: CompileMode = "default",
     ) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         if warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {list(COMPILE_MODES)}, got {compile_mode!r}")
+        if compile_mode != "default" and not compile:
+            raise ValueError(f"compile_mode {compile_mode!r} needs --model.compile true")
         if not 0 <= decay_start < 1:
             raise ValueError(f"decay_start is the fraction of training before the decay, in [0, 1); got {decay_start}")
         if scheduler == "exponential" and min_lr_ratio <= 0:
@@ -120,7 +132,8 @@ class ImageClassifier(L.LightningModule):
             self.__dict__["_compiled_captures"] = captures
             # kept out of the module tree: the state dict (checkpoints) has the plain network's keys only
             self.__dict__["_compiled_network"] = torch.compile(QueryKeyNetwork(self.network) if captures
-                                                               else self.network)
+                                                               else self.network, mode=compile_mode)
+        self.__dict__["_graph_steps"] = compile and compile_mode in GRAPH_MODES
         self._stabilizers_device: torch.device | None = None
         # validate_args=False: torchmetrics' argument checks read values back to the host at every update
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
@@ -139,6 +152,8 @@ class ImageClassifier(L.LightningModule):
         if compiled is None or self.eager_forward:
             return self.network
         torch._dynamo.maybe_mark_dynamic(images, 0)
+        if self.__dict__.get("_graph_steps"):  # a new step: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         return compiled
 
     @property

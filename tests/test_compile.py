@@ -103,3 +103,42 @@ def test_the_compiled_network_compiles_once_for_every_batch_size():
     for batch in (8, 5, 3):
         module.losses(images[:batch], torch.zeros(batch, dtype=torch.long))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def test_the_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatch):
+    """``compile_mode`` is torch.compile's ``mode``; with one that captures CUDA graphs each compiled training step
+    first tells torch a new step begins (the previous step's graph outputs may then be reused); bad values are refused
+    by name."""
+    seen, steps = {}, []
+
+    def recording(model, **kwargs):
+        seen.update(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", recording)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    images = torch.rand(4, 1, 8, 8)
+    for mode, marks in (("reduce-overhead", 1), ("max-autotune-no-cudagraphs", 0), ("default", 0)):
+        module = ImageClassifier(backbone_options=TINY, compile=True, compile_mode=mode)
+        assert seen["mode"] == mode
+        steps.clear()
+        module._training_network(images)
+        assert len(steps) == marks, mode
+    with pytest.raises(ValueError, match=r"compile_mode must be one of \['default', 'reduce-overhead'"):
+        ImageClassifier(backbone_options=TINY, compile=True, compile_mode="fast")
+    with pytest.raises(ValueError, match="compile_mode 'reduce-overhead' needs --model.compile true"):
+        ImageClassifier(backbone_options=TINY, compile_mode="reduce-overhead")
+
+
+def test_a_fit_with_a_compile_mode_runs_its_callbacks(monkeypatch, tmp_path, tiny_vit_args):
+    """The cost meter counts an eager copy of the module: it must not carry the compile mode without compiling."""
+    import os
+
+    from stability.cli import main
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    os.chdir(tmp_path)
+    main(["fit", *tiny_vit_args, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+          "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0", "--model.compile", "true",
+          "--model.compile_mode", "reduce-overhead"])
+    assert list(tmp_path.rglob("last.ckpt"))

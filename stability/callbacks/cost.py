@@ -113,7 +113,8 @@ class CostMeter(L.Callback):
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             dtype = next(pl_module.parameters()).dtype
-            copy = ImageClassifier(**{**options, "compile": False}).to(device=pl_module.device, dtype=dtype)
+            eager = {**options, "compile": False, "compile_mode": "default"}
+            copy = ImageClassifier(**eager).to(device=pl_module.device, dtype=dtype)
             copy.load_state_dict(pl_module.state_dict())
             copy.train()
             with cuda_path(copy) if gpu_path else contextlib.nullcontext():
