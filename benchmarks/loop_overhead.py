@@ -134,9 +134,17 @@ def captured_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -
     if type(optimizer) is not torch.optim.AdamW:
         raise ValueError(f"the captured loop rebuilds AdamW; this config trains with {type(optimizer).__name__}")
     cuda = device.type == "cuda"
-    groups = [{**{k: v for k, v in g.items() if k not in ("lr", "initial_lr")},
-               "lr": torch.tensor(float(g["lr"]), device=device)} for g in optimizer.param_groups]
-    return torch.optim.AdamW(groups, fused=True if cuda else None, capturable=cuda, foreach=False if not cuda else None)
+    return torch.optim.AdamW(captured_groups(optimizer, device), fused=True if cuda else None, capturable=cuda,
+                             foreach=False if not cuda else None)
+
+
+def captured_groups(optimizer: torch.optim.Optimizer, device: torch.device) -> list[dict]:
+    """The optimizer's parameter groups with their settings (weight decay, betas, ε), each learning rate a tensor on
+    ``device``, and without the implementation keys a group would keep over the constructor's (``capturable``,
+    ``fused``, ``foreach``, ``differentiable``: a group's ``capturable=False`` makes capture fail)."""
+    dropped = ("lr", "initial_lr", "capturable", "fused", "foreach", "differentiable")
+    return [{**{k: v for k, v in g.items() if k not in dropped}, "lr": torch.tensor(float(g["lr"]), device=device)}
+            for g in optimizer.param_groups]
 
 
 def time_captured(cli: StabilityCLI, warmup: int, steps: int, device: torch.device,
@@ -202,6 +210,7 @@ def time_captured(cli: StabilityCLI, warmup: int, steps: int, device: torch.devi
         with torch.cuda.graph(graph):
             step()
         replay = graph.replay
+        warmup = max(warmup, done)  # the clock starts after the steps taken outside the graph
     started = 0.0
     while done < warmup + steps:
         if done == warmup:

@@ -354,6 +354,11 @@ class ImageClassifier(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
+        if self.__dict__.get("_graph_steps") and self.trainer.accumulate_grad_batches > 1:
+            raise ValueError(f"--model.compile_mode {hp.compile_mode} captures CUDA graphs, whose memory the next step "
+                             f"reuses: the gradients that --trainer.accumulate_grad_batches "
+                             f"{self.trainer.accumulate_grad_batches} keeps between steps would be overwritten; use "
+                             f"--model.compile_mode default or no accumulation")
         optimizer = self.build_optimizer()
         total = int(self.trainer.estimated_stepping_batches)
         self.__dict__["_total_steps"] = total  # the run's length, for schedules a stabilizer follows (ForwardStep)

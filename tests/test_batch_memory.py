@@ -109,3 +109,36 @@ def test_a_pass_on_the_gpu_stays_inside_its_estimate(tiny_vit):
     saved_bytes(network, images, labels)
     peak = torch.cuda.max_memory_allocated(device) - before
     assert peak <= TRANSIENT_FACTOR * (fixed + 256 * per_point)
+
+
+def test_the_cpus_memory_is_the_cgroups_limit_where_lower(tmp_path, monkeypatch):
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(batch_memory, "CGROUP_LIMIT", limit)
+    machine = batch_memory.device_memory("cpu")  # no file: the machine's
+    limit.write_text("1073741824\n")
+    assert batch_memory.device_memory("cpu") == min(machine, 2 ** 30)
+    limit.write_text("max\n")
+    assert batch_memory.device_memory("cpu") == machine
+
+
+def test_under_ddp_each_process_gets_its_share_of_the_points_and_of_the_cpus_memory(monkeypatch, tiny_vit):
+    """With 2 processes on one machine's CPU: at most half the points a batch (each process attacks), sized by half
+    the memory; what rank 0 decides is broadcast."""
+    from types import SimpleNamespace
+
+    from stability.robustness.attacks import AttackSettings, AttackSpec
+
+    images, labels = points(8)
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    sized = []
+    monkeypatch.setattr("stability.callbacks.robustness_monitor.memory_sized_batch",
+                        lambda net, x, y, points, classes, memory: sized.append((points, memory)) or points)
+    monkeypatch.setattr("stability.callbacks.robustness_monitor.device_memory", lambda device: 8 * 2 ** 30)
+    broadcast = []
+    trainer = SimpleNamespace(is_global_zero=True, num_devices=2, world_size=2, strategy=SimpleNamespace(
+        broadcast=lambda value, src: broadcast.append(value) or value))
+    monitor = RobustnessMonitor(autoattack_batch_size="memory")
+    spec = AttackSpec("autoattack", "L2", 0.5)
+    size = monitor._autoattack_batch(trainer, tiny_vit, dataset, [spec], {spec.label: 7},
+                                     AttackSettings(10, 3, None, "standard", 0), "cpu", "test")
+    assert size == 4 and sized == [(4, 4 * 2 ** 30)] and broadcast == [4]

@@ -98,7 +98,7 @@ def test_the_captured_loops_step_trains_as_the_hand_written_loop(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import lightning as L
     import torch
-    from loop_overhead import build, time_captured, time_hand_written
+    from loop_overhead import build, captured_groups, hand_written_optimizer, time_captured, time_hand_written
 
     cli = build(str(ROOT / "configs/vit_digits.yaml"), "cpu", "data", str(tmp_path / "run"),
                 ["--trainer.max_steps", "20", "--trainer.max_epochs", "2", "--model.warmup_epochs", "0.5",
@@ -106,6 +106,9 @@ def test_the_captured_loops_step_trains_as_the_hand_written_loop(tmp_path):
     cpu = torch.device("cpu")
     _, hand = time_hand_written(cli, 0, 4, cpu, "32-true")
     _, captured = time_captured(cli, 0, 4, cpu, "32-true")
+    groups = captured_groups(hand_written_optimizer(cli, cli.model)[0], cpu)
+    assert not {"capturable", "fused", "foreach", "differentiable"} & {k for g in groups for k in g}  # constructor
+    assert all(isinstance(g["lr"], torch.Tensor) for g in groups)
     moved = 0.0
     L.seed_everything(cli.config.get("seed_everything") or 0)
     initial = type(cli.model)(**{k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}).network

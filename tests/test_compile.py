@@ -130,8 +130,9 @@ def test_the_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkey
         ImageClassifier(backbone_options=TINY, compile_mode="reduce-overhead")
 
 
-def test_a_fit_with_a_compile_mode_runs_its_callbacks(monkeypatch, tmp_path, tiny_vit_args):
-    """The cost meter counts an eager copy of the module: it must not carry the compile mode without compiling."""
+def test_a_fit_with_a_compile_mode_runs_its_callbacks(monkeypatch, tmp_path, tiny_vit_args, capsys):
+    """The cost meter counts an eager copy of the module: it must not carry the compile mode without compiling; graph
+    modes refuse gradient accumulation by name."""
     import os
 
     from stability.cli import main
@@ -142,3 +143,9 @@ def test_a_fit_with_a_compile_mode_runs_its_callbacks(monkeypatch, tmp_path, tin
           "--lipschitz.every_n_epochs", "0", "--robustness.every_n_epochs", "0", "--model.compile", "true",
           "--model.compile_mode", "reduce-overhead"])
     assert list(tmp_path.rglob("last.ckpt"))
+
+    with pytest.raises(SystemExit):
+        main(["fit", *tiny_vit_args, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+              "--trainer.accumulate_grad_batches", "2", "--model.compile", "true", "--model.compile_mode",
+              "reduce-overhead"])
+    assert "accumulate_grad_batches 2 keeps between steps" in capsys.readouterr().err

@@ -220,10 +220,14 @@ class RobustnessMonitor(L.Callback):
         size = 0
         if trainer.is_global_zero:
             images, labels = load(dataset, 0, min(points, 4), device)
-            memory = device_memory(device)
-            size = memory_sized_batch(network, images, labels, points, settings.num_classes, memory)
+            # on the CPU the processes of one machine share its memory; each process attacks its share of the points
+            sharing = trainer.num_devices if torch.device(device).type == "cpu" else 1
+            memory = device_memory(device) // max(1, sharing)
+            size = memory_sized_batch(network, images, labels, -(-points // trainer.world_size),
+                                      settings.num_classes, memory)
             rank_zero_info(f"robustness ({stage}): AutoAttack attacks {size} points at once (--robustness."
-                           f"autoattack_batch_size memory: {MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB)")
+                           f"autoattack_batch_size memory: {MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB"
+                           + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")
         return int(trainer.strategy.broadcast(size, src=0))
 
     def _say_plan(self, attacked: dict[str, nn.Module], dataset, specs, prefix, count, settings, device,

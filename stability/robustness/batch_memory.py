@@ -16,6 +16,7 @@ and the numbers, is the same on every run on the same device and network: a stop
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -48,12 +49,21 @@ def pass_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -
     return per_point, max(0, counts[0] - 2 * per_point)
 
 
+CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")  # a container's or a job's limit (cgroup v2), where one is set
+
+
 def device_memory(device: torch.device | str) -> int:
-    """Total memory of ``device`` in bytes: the GPU's, or the machine's RAM for the CPU."""
+    """Total memory of ``device`` in bytes: the GPU's, or for the CPU the machine's RAM, or the cgroup's limit where
+    that is lower (a container, a SLURM job)."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    try:
+        limit = CGROUP_LIMIT.read_text().strip()
+    except OSError:
+        return memory
+    return min(memory, int(limit)) if limit.isdigit() else memory
 
 
 def memory_sized_batch(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, points: int, num_classes: int,
@@ -67,4 +77,4 @@ def memory_sized_batch(network: nn.Module, images: torch.Tensor, labels: torch.T
     return int(max(1, min(points, room // per_point)))
 
 
-__all__ = ["MEMORY_SHARE", "device_memory", "memory_sized_batch", "pass_bytes", "saved_bytes"]
+__all__ = ["CGROUP_LIMIT", "MEMORY_SHARE", "device_memory", "memory_sized_batch", "pass_bytes", "saved_bytes"]
