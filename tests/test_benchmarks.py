@@ -246,3 +246,9 @@ def test_gpu_check_runs_its_sections_in_a_cpu_dry_run(tmp_path):
     assert worst == "not run: the section's budget was spent" or worst.startswith("cut at the section's budget during")
     text = out.read_text()
     assert "## runs: cut at its budget" in text and "## compare: cut at its budget" in text and "FAILED" not in text
+
+
+def test_sweep_workers_times_the_same_runs_with_k_at_once(tmp_path):
+    text = run_benchmark("sweep_workers.py", tmp_path / "workers.md")
+    rows = {row[0]: row for row in table_rows(text)}
+    assert set(rows) == {"1", "2"} and rows["1"][3] == "1.00" and float(rows["2"][1]) > 0
