@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
@@ -23,7 +23,7 @@ from .optim import OptimizerName, SchedulerName, lr_factor, make_optimizer, para
 from .stabilizers import ForwardStep, Stabilizer, build_stabilizers, stabilizer_names
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = get_args(CompileMode)
 GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes whose CUDA kernels torch.compile captures as graphs
 CROSS_ENTROPY = "cross_entropy"  # logged beside a replaced task loss, not optimised
 
