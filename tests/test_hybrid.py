@@ -40,7 +40,7 @@ def jacobian(f, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_presets_make_the_tokens_their_names_say():
-    for size, tokens in (("4c49", 49), ("5c16", 16)):
+    for size, tokens in (("4c49", 49), ("5c16", 16), ("5c49", 49)):
         backbone = build_backbone("hybrid", size, img_size=28, in_chans=1, num_classes=10)
         assert backbone.patch_embed.num_patches == tokens and backbone.num_prefix_tokens == 1
         assert backbone(torch.rand(2, 1, 28, 28)).shape == (2, 10)
@@ -61,9 +61,9 @@ def test_the_stem_bound_is_above_its_exact_jacobian_norm():
         assert 0.05 < exact <= bound * (1 + 1e-12)
 
 
-@pytest.mark.parametrize("attention", ["l2_unit", "mixing", "dot"])
-def test_the_certified_bound_is_above_the_exact_jacobian_norm_whole_and_per_pair(attention):
-    net = hybrid(attention)
+@pytest.mark.parametrize("attention, heads", [("l2_unit", 1), ("mixing", 1), ("dot", 1), ("l2_unit", 2), ("dot", 2)])
+def test_the_certified_bound_is_above_the_exact_jacobian_norm_whole_and_per_pair(attention, heads):
+    net = hybrid(attention, num_heads=heads)
     bound, reason = certified_bound(net)
     assert bound is not None, reason
     w = bound.head_weight.double()
@@ -164,11 +164,13 @@ def test_the_divisor_of_unit_l2_attention_grows_with_the_tokens():
     assert unit_divisor(50, 1, 64) > 2 * unit_divisor(17, 1, 64)
 
 
-def test_the_training_bound_matches_the_certified_one_at_initialisation():
+@pytest.mark.parametrize("heads", [1, 2])
+def test_the_training_bound_matches_the_certified_one_at_initialisation(heads):
     """GloRo's per-step bound on the hybrid: the stem at AOL's 1 per layer, the blocks from power-iteration
     estimates (from below), the head's weight: in float32 within 1e-5 of the float64 certificate."""
     torch.manual_seed(0)
-    module = ImageClassifier(backbone="hybrid", image_size=8, stabilizer=["lipschitz_transformer", "muon", "gloro"],
+    module = ImageClassifier(backbone="hybrid", image_size=8, backbone_options={"num_heads": heads},
+                             stabilizer=["lipschitz_transformer", "muon", "gloro"],
                              stabilizer_options={"lipschitz_transformer": {"attention": "l2_unit",
                                                                            "pooling": "flatten", "zero_init": False},
                                                  "muon": {"constraint": "hard_cap", "layers": "all"}})

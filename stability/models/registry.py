@@ -4,7 +4,7 @@
 ``small`` follow the papers (ViT-Ti/S, Swin-T/S, CSWin-T/S). ``lipcnn`` is not a transformer: the 1-Lipschitz
 convolutional anchor of the certified-training studies (``4c3f``: GloRo's network); ``hybrid`` is a ViT on the
 tokens of that anchor's AOL convolutions (``4c49``: its four convolutions, 49 tokens on MNIST; ``5c16``: one more,
-16 tokens). Any preset value can be
+stride 2, 16 tokens; ``5c49``: one more, stride 1, 49 tokens). Any preset value can be
 overridden, e.g. ``build_backbone("swin", "micro", img_size=32, window_size=4)``.
 """
 from __future__ import annotations
@@ -41,6 +41,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                      mlp_ratio=2.0),  # 4C3F's convolutions: 7 × 7 = 49 tokens on MNIST
         "5c16": dict(convs=((32, 3, 1), (32, 4, 2), (64, 3, 1), (64, 4, 2), (64, 4, 2)), embed_dim=64, depth=4,
                      num_heads=1, mlp_ratio=2.0),  # one more stride-2 convolution: 4 × 4 = 16 tokens on MNIST
+        "5c49": dict(convs=((32, 3, 1), (32, 4, 2), (64, 3, 1), (64, 4, 2), (64, 3, 1)), embed_dim=64, depth=4,
+                     num_heads=1, mlp_ratio=2.0),  # one more stride-1 convolution: a deeper stem, still 49 tokens
     },
     "cswin": {
         "micro": dict(patch_size=2, embed_dim=32, depths=(1, 2, 1), num_heads=(2, 4, 8),
