@@ -248,23 +248,15 @@ def seconds_per_point(network: nn.Module, images: torch.Tensor, labels: torch.Te
     """The time of one forward and backward pass of ``network`` per point, measured on ``images`` (the unit of an
     attack's cost); a :class:`~stability.robustness.fixed_batch.FixedBatch` on its whole batch (``images``
     repeated), after a warm-up pass that compiles it."""
-    from ..robustness.attacks import evaluating, gradients_allowed
+    from ..robustness.attacks import evaluating, gradients_allowed, input_gradient
     from ..robustness.fixed_batch import FixedBatch, repeated_to
+    from ..wall_clock import seconds
 
     if isinstance(network, FixedBatch):  # timed on one whole batch, the shape it always computes
         images, labels = repeated_to(network.batch_size, images, labels)
     with gradients_allowed(), evaluating(network):
-        x, labels = images.detach().clone().requires_grad_(True), labels.clone()  # ordinary tensors
-        for timed in (False, True):
-            if timed:
-                if x.is_cuda:
-                    torch.cuda.synchronize(x.device)
-                started = time.perf_counter()
-            loss = nn.functional.cross_entropy(network(x), labels)
-            torch.autograd.grad(loss, x)
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-    return (time.perf_counter() - started) / max(1, len(labels))
+        input_gradient(network, images, labels)  # warm-up
+        return seconds(lambda: input_gradient(network, images, labels), images.device) / max(1, len(labels))
 
 
 __all__ = ["MeasurementInterrupted", "Session", "format_seconds", "results_path", "seconds_per_point", "store_key"]

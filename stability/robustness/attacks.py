@@ -100,6 +100,16 @@ def gradients_allowed() -> Iterator[None]:
         yield
 
 
+def input_gradient(network: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                   weights: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, ...]:
+    """An attack's unit of work: the cross-entropy's gradient at ``images`` (and at ``weights``, as FAB's backward
+    reaches them), through ``torch.autograd.grad`` (no ``.grad`` is touched). Copies of the inputs are ordinary
+    tensors, also when they were made under inference mode; call it inside :func:`gradients_allowed`."""
+    x = images.detach().clone().requires_grad_(True)
+    loss = nn.functional.cross_entropy(network(x), labels.clone())
+    return torch.autograd.grad(loss, [x, *weights])
+
+
 @contextlib.contextmanager
 def evaluating(network: nn.Module) -> Iterator[None]:
     """Eval mode, no autocast and IEEE float32 matmuls (no TF32) inside the block: measurements are

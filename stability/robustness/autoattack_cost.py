@@ -20,12 +20,13 @@ batch that classifies every point as class 0 by a margin no attack can overcome 
 """
 from __future__ import annotations
 
+import functools
 import math
-import time
 
 import torch
 from torch import nn
 
+from ..wall_clock import seconds
 from .fixed_batch import repeated_to
 
 # (calls with a backward pass, calls without) per batch, every point resisting every attack (ℓ∞ and ℓ2; the
@@ -103,16 +104,12 @@ def _overheads(images: torch.Tensor, classes: int, norm: str, eps: float, versio
         attack.apgd_targeted.n_target_classes = attack.fab.n_target_classes = 1
         attack.fab.n_iter, attack.fab.n_restarts = PROBE_ITERATIONS, 1
         attack.square.n_queries = 4 * PROBE_ITERATIONS
+        evaluation = functools.partial(attack.run_standard_evaluation, images, labels, batch_size=len(labels))
         runs = []
         for _ in range(2):
             stand_in.calls = 0
-            if images.is_cuda:
-                torch.cuda.synchronize(images.device)
-            started = time.perf_counter()
-            attack.run_standard_evaluation(images, labels, batch_size=len(labels))
-            if images.is_cuda:
-                torch.cuda.synchronize(images.device)
-            runs.append((time.perf_counter() - started) / max(1, stand_in.calls))
+            elapsed = seconds(evaluation, images.device)
+            runs.append(elapsed / max(1, stand_in.calls))
         overheads[name] = max(runs)
     return overheads
 
@@ -122,14 +119,12 @@ def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch
     of two timed passes after a warm-up. The backward reaches every weight, as FAB's does (through
     ``torch.autograd.grad``: the weights' ``.grad`` are left alone)."""
     from ..nn.aol import is_frozen
-    from .attacks import evaluating, gradients_allowed
+    from .attacks import evaluating, gradients_allowed, input_gradient
 
     weights: list[torch.Tensor] = []
 
-    def forward_backward() -> None:
-        x = images.detach().clone().requires_grad_(True)  # ordinary tensors, also when made under inference mode
-        loss = nn.functional.cross_entropy(network(x), labels.clone())
-        torch.autograd.grad(loss, [x, *weights])  # every weight's gradient, as FAB's backward; nothing accumulated
+    def forward_backward() -> None:  # every weight's gradient, as FAB's backward; nothing accumulated
+        input_gradient(network, images, labels, weights)
 
     def forward() -> None:
         with torch.no_grad():
@@ -141,16 +136,7 @@ def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch
         weights[:] = [p for p in network.parameters() if p.requires_grad and not is_frozen(p)]
         for step in (forward_backward, forward):
             step()  # warm-up
-            runs = []
-            for _ in range(2):  # the slower of two
-                if images.is_cuda:
-                    torch.cuda.synchronize(images.device)
-                started = time.perf_counter()
-                step()
-                if images.is_cuda:
-                    torch.cuda.synchronize(images.device)
-                runs.append(time.perf_counter() - started)
-            times.append(max(runs))
+            times.append(max(seconds(step, images.device) for _ in range(2)))  # the slower of two
     return times[0], times[1]
 
 

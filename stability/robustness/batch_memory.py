@@ -30,15 +30,10 @@ TRANSIENT_FACTOR = 2  # a pass's peak beside what it saves: its transient activa
 
 def saved_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> int:
     """Bytes autograd saves for the cross-entropy's gradient to the input on ``images`` (each storage once)."""
-    from .attacks import evaluating, gradients_allowed
-
-    def attacked_pass() -> None:
-        x, y = images.detach().clone().requires_grad_(True), labels.clone()  # ordinary tensors, not inference ones
-        loss = nn.functional.cross_entropy(network(x), y)
-        torch.autograd.grad(loss, x)
+    from .attacks import evaluating, gradients_allowed, input_gradient
 
     with gradients_allowed(), evaluating(network):
-        return saved_for_backward(attacked_pass)
+        return saved_for_backward(lambda: input_gradient(network, images, labels))
 
 
 def pass_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
