@@ -124,6 +124,21 @@ def test_the_gpu_configurations_have_heads_the_flex_kernel_compiles(backbone):
     assert widths and min(widths) >= MIN_WIDTH, widths
 
 
+@pytest.mark.parametrize("backbone", ["lipcnn", "hybrid"])
+def test_an_aol_network_runs_on_meta_tensors(backbone):
+    """The shapes of a step without its arithmetic (meta tensors, as op counts are taken): AOL's exact Gram switches
+    autocast off, which raised on ``meta`` (no autocast there); forward and backward reach every weight."""
+    stabilizer = "gloro" if backbone == "lipcnn" else "lipschitz_transformer,muon,gloro"
+    module = build(stabilizer, backbone).to("meta")
+    images = torch.empty(4, 1, module.hparams.image_size, module.hparams.image_size, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = module.network(images)
+    assert logits.device.type == "meta" and logits.shape == (4, 10)
+    logits.sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta"
+               for p in module.network.parameters() if p.requires_grad)
+
+
 def test_the_meta_check_catches_a_tensor_made_without_a_device():
     weight = torch.randn(3, 3)
     with pytest.raises(RuntimeError, match="meta"), torch.device("meta"):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .lipschitz_blocks import max_min
-from .precision import at_least_float32, float32_math
+from .precision import at_least_float32, autocast_off, float32_math
 
 
 def _gram_rows(gram: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def aol_scale(weight: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     switched off (setting the TF32 flags would break the graph at every layer): the run's TF32 setting applies."""
     weight = at_least_float32(weight)
     device = weight.device.type
-    exact = torch.autocast(device, enabled=False) if torch.compiler.is_compiling() else float32_math(device)
+    exact = autocast_off(device) if torch.compiler.is_compiling() else float32_math(device)
     with exact:
         rows = _gram_rows(gram(weight))
     return rows.clamp_min(eps).rsqrt()

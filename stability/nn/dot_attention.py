@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .flex import flex_accepts, flex_trains_on, softcapped_attention
+from .precision import autocast_off
 
 
 def norm_in_dtype(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def norm_in_dtype(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(norm, nn.Identity) or x.dtype == torch.float32 or not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
         return norm(x)
     weight = None if norm.weight is None else norm.weight.to(x.dtype)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         if isinstance(norm, nn.LayerNorm):
             bias = None if norm.bias is None else norm.bias.to(x.dtype)
             return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)

@@ -42,11 +42,20 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
     return t.to(accumulation_dtype(t.dtype))
 
 
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """No autocast on ``device_type`` inside the block; nothing to switch off on ``meta`` (the tensors that count a
+    step's work without computing it), which has no autocast. A plain comparison, not
+    ``torch.amp.is_autocast_available``: torch.compile traces it without a graph break."""
+    if device_type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
 @contextlib.contextmanager
 def float32_math(device_type: str) -> Iterator[None]:
     """No autocast on ``device_type`` and IEEE float32 matmuls inside the block (the caller casts its
     inputs to float32)."""
-    with torch.autocast(device_type=device_type, enabled=False), ieee_float32():
+    with autocast_off(device_type), ieee_float32():
         yield
 
 

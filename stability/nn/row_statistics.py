@@ -36,14 +36,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .precision import ieee_float32
+from .precision import autocast_off, ieee_float32
 
 BLOCK_BYTES = 512 * 2 ** 20  # float32 logits per block (one held at a time, forward and backward)
 EXACT_IN_TF32 = (torch.bfloat16, torch.float16)  # inputs whose products TF32 computes exactly
 
 def _products(device_type: str, exact_in_tf32: bool):
     """Autocast off; TF32 as the run sets it where the inputs' products are exact in it, else IEEE float32."""
-    off = torch.autocast(device_type, enabled=False)
+    off = autocast_off(device_type)
     if exact_in_tf32:
         return off
     stack = contextlib.ExitStack()

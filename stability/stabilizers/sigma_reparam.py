@@ -29,7 +29,7 @@ from torch.nn.utils import parametrize
 
 from ..models import norm_sites
 from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, bilinear
-from ..nn.precision import at_least_float32, ieee_float32
+from ..nn.precision import at_least_float32, autocast_off, ieee_float32
 from .base import Stabilizer, register_stabilizer
 
 
@@ -46,7 +46,7 @@ class SigmaReparametrization(GroupedParametrization):
         self.gamma = nn.Parameter(s[:1].clone())
 
     def single(self, weight: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(weight.device.type, enabled=False):
+        with autocast_off(weight.device.type):
             matrix = weight.flatten(1).to(torch.promote_types(weight.dtype, torch.float32))  # float32, or float64
             with torch.no_grad():
                 v = F.normalize(matrix @ self.u.to(matrix.dtype), dim=0)
@@ -61,7 +61,7 @@ class SigmaReparametrization(GroupedParametrization):
     @classmethod
     def grouped(cls, members, weights: torch.Tensor) -> torch.Tensor:
         """:meth:`single` for G weights of one shape at once: ``weights`` (G, …) → (G, …)."""
-        with torch.autocast(weights.device.type, enabled=False):
+        with autocast_off(weights.device.type):
             matrices = weights.flatten(2).to(torch.promote_types(weights.dtype, torch.float32))  # (G, m, n)
             with torch.no_grad(), ieee_float32():  # matrix–vector products, as each weight's own: no TF32
                 u = torch.stack([m.u for m in members]).to(matrices.dtype)

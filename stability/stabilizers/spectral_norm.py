@@ -42,7 +42,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 
 from ..models import linear_layers
 from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, bilinear
-from ..nn.precision import ieee_float32
+from ..nn.precision import autocast_off, ieee_float32
 from ..nn.spectral import SubspaceIteration, spectral_norms
 from .base import Stabilizer, register_stabilizer
 
@@ -61,7 +61,7 @@ class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
         self.factor = factor  # σ_max: the effective weight's σ₁
 
     def single(self, weight: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(weight.device.type, enabled=False):  # float32 σ̂, as the grouped step (class docstring)
+        with autocast_off(weight.device.type):  # float32 σ̂, as the grouped step (class docstring)
             normalised = _SpectralNorm.forward(self, weight)
         return normalised if self.factor == 1.0 else self.factor * normalised
 
@@ -69,7 +69,7 @@ class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
     def grouped(cls, members, weights: torch.Tensor) -> torch.Tensor:
         """:meth:`single` for G matrices of one shape at once: ``weights`` (G, m, n) → (G, m, n)."""
         first = members[0]
-        with torch.autocast(weights.device.type, enabled=False):
+        with autocast_off(weights.device.type):
             with torch.no_grad(), ieee_float32():  # matrix–vector products, as torch's own: no TF32
                 u = torch.stack([m._u for m in members])
                 v = torch.stack([m._v for m in members])
