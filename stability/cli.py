@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -151,6 +151,13 @@ ONLY_MODEL_CHECKPOINT_MISSING = (
     r"`Trainer` instantiation\. Please add the following callbacks: \[(\"ModelCheckpoint\{[^\"]*\}\"(, )?)+\]\.$")
 
 
+def best_checkpoint(tag: str, mode: str) -> ModelCheckpoint:
+    """Keeps ``best.ckpt``: the weights at the validation with the best ``tag`` (ties: the earliest). A tag that no
+    validation logs fails at the first one, with Lightning's list of the tags that exist."""
+    return ModelCheckpoint(monitor=tag, mode=mode, filename="best", auto_insert_metric_name=False, save_top_k=1,
+                           save_last=False)
+
+
 class StabilityCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
         super().__init__(
@@ -177,6 +184,12 @@ class StabilityCLI(LightningCLI):
         parser.add_argument("--test_after_fit", type=bool, default=False,
                             help="after fit, run the test set with the test-time measurements on the final "
                                  "weights (skipped for a diverged run)")
+        parser.add_argument("--best_checkpoint", type=str | None, default=None,
+                            help="fit: also keep checkpoints/best.ckpt, the epoch with the best value of this "
+                                 "validation tag (e.g. certified/acc_L2_1.58, val/acc), beside last.ckpt")
+        parser.add_argument("--best_checkpoint_mode", type=Literal["max", "min"], default="max",
+                            help="whether the best value of --best_checkpoint is its largest (accuracies) or its "
+                                 "smallest (losses)")
         parser.add_argument("--stabilizer", type=str | list[str], default="none",
                             help=f"stabilizer name(s), comma-separated or a list; valid: {sorted(REGISTRY)}")
         groups = _option_groups()
@@ -261,6 +274,9 @@ class StabilityCLI(LightningCLI):
                 extra["purge_step"] = checkpoint_step(checkpoint)
             kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name, version=version,
                                                  default_hp_metric=False, **extra)
+        if self.subcommand == "fit" and config.get("best_checkpoint"):
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or given), best_checkpoint(config.best_checkpoint,
+                                                                                         config.best_checkpoint_mode)]
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand not in (None, "fit"):
             # test / validate / predict save no checkpoint: without the callback, restoring the checkpoint's own

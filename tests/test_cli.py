@@ -175,3 +175,19 @@ def test_default_root_dir_moves_the_runs_as_lightning_users_expect(tmp_path, tin
     with pytest.raises(SystemExit) as exit_info:  # two places for the same thing: say so, do not pick one
         main(["fit", *short, "--trainer.default_root_dir", "a", "--runs_dir", "b"])
     assert exit_info.value.code == 2 and "--runs_dir" in capsys.readouterr().err
+
+
+def test_the_best_checkpoint_is_the_epoch_with_the_best_validation_value(tmp_path, scalars, tiny_vit_args):
+    """``--best_checkpoint val/loss --best_checkpoint_mode min`` keeps best.ckpt from the epoch whose logged value is
+    the best (here the least loss: this seed's loss rises again in the last epoch), beside last.ckpt."""
+    os.chdir(tmp_path)
+    main(["fit", *tiny_vit_args, "--run_dir", "run", "--best_checkpoint", "val/loss", "--best_checkpoint_mode", "min",
+          "--model.lr", "0.3", "--model.scheduler", "constant", "--trainer.max_epochs", "4",
+          "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"])
+    losses = scalars(tmp_path / "run", "val/loss")
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=False)
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert len(losses) == 4 and last["epoch"] == 3
+    assert best["epoch"] == losses.index(min(losses)) != last["epoch"]
+    state = next(v for k, v in best["callbacks"].items() if "val/loss" in k)
+    assert float(state["best_model_score"]) == pytest.approx(min(losses), rel=1e-6)
