@@ -178,16 +178,19 @@ def test_default_root_dir_moves_the_runs_as_lightning_users_expect(tmp_path, tin
 
 
 def test_the_best_checkpoint_is_the_epoch_with_the_best_validation_value(tmp_path, scalars, tiny_vit_args):
-    """``--best_checkpoint val/loss --best_checkpoint_mode min`` keeps best.ckpt from the epoch whose logged value is
-    the best (here the least loss: this seed's loss rises again in the last epoch), beside last.ckpt."""
+    """``--best_checkpoint TAG`` keeps best.ckpt from the epoch whose logged value is the best, beside last.ckpt.
+    Asked for the *largest* validation loss, it must keep the first epoch while last.ckpt holds the fourth (a
+    best.ckpt that is just the last epoch fails); ``--best_checkpoint_mode min`` keeps the least loss."""
     os.chdir(tmp_path)
-    main(["fit", *tiny_vit_args, "--run_dir", "run", "--best_checkpoint", "val/loss", "--best_checkpoint_mode", "min",
-          "--model.lr", "0.3", "--model.scheduler", "constant", "--trainer.max_epochs", "4",
-          "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"])
-    losses = scalars(tmp_path / "run", "val/loss")
-    best = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=False)
-    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert len(losses) == 4 and last["epoch"] == 3
-    assert best["epoch"] == losses.index(min(losses)) != last["epoch"]
-    state = next(v for k, v in best["callbacks"].items() if "val/loss" in k)
-    assert float(state["best_model_score"]) == pytest.approx(min(losses), rel=1e-6)
+    for mode, pick in (("max", max), ("min", min)):
+        main(["fit", *tiny_vit_args, "--run_dir", mode, "--best_checkpoint", "val/loss", "--best_checkpoint_mode",
+              mode, "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches",
+              "2"])
+        losses = scalars(tmp_path / mode, "val/loss")
+        best = torch.load(tmp_path / mode / "checkpoints" / "best.ckpt", weights_only=False)
+        last = torch.load(tmp_path / mode / "checkpoints" / "last.ckpt", weights_only=False)
+        assert len(losses) == 4 and last["epoch"] == 3
+        assert best["epoch"] == losses.index(pick(losses))
+        state = next(v for k, v in best["callbacks"].items() if "val/loss" in k)
+        assert float(state["best_model_score"]) == pytest.approx(pick(losses), rel=1e-6)
+    assert losses.index(max(losses)) == 0  # the loss falls: the largest is the first epoch's, not the last's
