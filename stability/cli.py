@@ -25,6 +25,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from . import exit_codes
@@ -151,11 +152,29 @@ ONLY_MODEL_CHECKPOINT_MISSING = (
     r"`Trainer` instantiation\. Please add the following callbacks: \[(\"ModelCheckpoint\{[^\"]*\}\"(, )?)+\]\.$")
 
 
-def best_checkpoint(tag: str, mode: str) -> ModelCheckpoint:
-    """Keeps ``best.ckpt``: the weights at the validation with the best ``tag`` (ties: the earliest). A tag that no
-    validation logs fails at the first one, with Lightning's list of the tags that exist."""
-    return ModelCheckpoint(monitor=tag, mode=mode, filename="best", auto_insert_metric_name=False, save_top_k=1,
-                           save_last=False)
+class BestCheckpoint(ModelCheckpoint):
+    """Keeps ``best.ckpt``: the weights at the validation with the best ``tag`` (ties: the earliest).
+
+    The measurements (``certified/``, ``robust/``, ``lipschitz/``, …) log on the first process only, and only at the
+    epochs of their cadence (``every_n_epochs``): rank 0's value decides on every process (broadcast, so the
+    processes save together), and a validation without the tag is passed over, as is a diverged run's. A tag that
+    no validation logs leaves no best.ckpt, and the fit says so at its end."""
+
+    def __init__(self, tag: str, mode: str) -> None:
+        super().__init__(monitor=tag, mode=mode, filename="best", auto_insert_metric_name=False, save_top_k=1,
+                         save_last=False)
+
+    def _save_topk_checkpoint(self, trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        value = monitor_candidates.get(self.monitor)
+        value = trainer.strategy.broadcast(None if value is None else float(value), src=0)
+        if value is None or value != value:  # not measured at this validation; NaN: diverged
+            return
+        super()._save_topk_checkpoint(trainer, {**monitor_candidates, self.monitor: torch.tensor(value)})
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not self.best_model_path:
+            rank_zero_warn(f"--best_checkpoint {self.monitor}: no validation logged it, so there is no best.ckpt; "
+                           f"the tags a validation logs are in TensorBoard (val/, certified/, robust/, lipschitz/, …)")
 
 
 class StabilityCLI(LightningCLI):
@@ -275,8 +294,8 @@ class StabilityCLI(LightningCLI):
             kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name, version=version,
                                                  default_hp_metric=False, **extra)
         if self.subcommand == "fit" and config.get("best_checkpoint"):
-            kwargs["callbacks"] = [*(kwargs.get("callbacks") or given), best_checkpoint(config.best_checkpoint,
-                                                                                         config.best_checkpoint_mode)]
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or given), BestCheckpoint(config.best_checkpoint,
+                                                                                       config.best_checkpoint_mode)]
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand not in (None, "fit"):
             # test / validate / predict save no checkpoint: without the callback, restoring the checkpoint's own

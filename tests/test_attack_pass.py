@@ -50,3 +50,15 @@ def test_the_clock_counts_the_whole_step():
     calls = []
     elapsed = seconds(lambda: (time.sleep(0.02), calls.append(1)), "cpu")
     assert calls == [1] and elapsed >= 0.02
+
+
+def test_the_clock_waits_for_a_gpu_before_and_after_the_step(monkeypatch):
+    """On CUDA the host waits for the device's queue on both sides of the step (kernels are asynchronous); on the
+    CPU there is nothing to wait for."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
+    seconds(lambda: events.append("step"), "cuda:0")
+    assert events == [("sync", "cuda:0"), "step", ("sync", "cuda:0")]
+    events.clear()
+    seconds(lambda: events.append("step"), "cpu")
+    assert events == ["step"]

@@ -1,4 +1,5 @@
 """The `stability` command as a user runs it: fit, configs, overrides, errors, test on a checkpoint."""
+import json
 import os
 import shutil
 import subprocess
@@ -194,4 +195,43 @@ def test_the_best_checkpoint_is_the_epoch_with_the_best_validation_value(tmp_pat
         for checkpoint in (best, last):  # last.ckpt too: a resumed run goes on comparing with the true best
             state = next(v for k, v in checkpoint["callbacks"].items() if "val/loss" in k)
             assert float(state["best_model_score"]) == pytest.approx(pick(losses), rel=1e-6)
-    assert losses.index(max(losses)) == 0  # the loss falls: the largest is the first epoch's, not the last's
+        if mode == "max":
+            assert best["epoch"] == 0  # the loss falls: the largest is the first epoch's, not the last's
+
+
+def test_the_best_checkpoint_follows_a_measurement_at_its_own_cadence(tmp_path, scalars, tiny_vit_args, quick_args):
+    """A measurement's tag exists only at the epochs it measures (here every second one): the validations without it
+    are passed over, and best.ckpt is the measured epoch with the best value; testing best.ckpt writes its own
+    results_best.json beside the final weights' results.json."""
+    os.chdir(tmp_path)
+    main(["fit", *tiny_vit_args, "--run_dir", "run", "--best_checkpoint", "lipschitz/local_mean",
+          "--best_checkpoint_mode", "min", "--lipschitz.every_n_epochs", "2", "--lipschitz.num_points", "16",
+          "--lipschitz.attention", "false", "--lipschitz.iterations", "3", "--trainer.max_epochs", "4",
+          "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "--test_after_fit", "true",
+          "--robustness.test_attacks", "[]", "--lipschitz.test_num_points", "16", "--trainer.limit_test_batches", "2"])
+    measured = scalars(tmp_path / "run", "lipschitz/local_mean")
+    assert len(measured) == 2  # epochs 1 and 3
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=False)
+    assert best["epoch"] == (1, 3)[measured.index(min(measured))]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    final = json.loads((checkpoints / "results.json").read_text())
+    main(["test", *quick_args, "--ckpt_path", str(checkpoints / "best.ckpt"), "--robustness.test_attacks", "[]",
+          "--lipschitz.test_num_points", "16", "--lipschitz.attention", "false", "--lipschitz.iterations", "3",
+          "--trainer.limit_test_batches", "2"])
+    assert json.loads((checkpoints / "results.json").read_text()) == final
+    assert (checkpoints / "results_best.json").is_file()
+
+
+def test_the_best_checkpoint_of_a_measurement_under_ddp(tmp_path, tiny_vit_args):
+    """Two processes (CPU, gloo): the measurements log on the first only, whose value decides on both, so the fit
+    saves best.ckpt and finishes (a process without the value used to raise while the other waited)."""
+    done = subprocess.run(
+        console_script() + ["fit", *tiny_vit_args, "--run_dir", "run", "--best_checkpoint", "lipschitz/local_mean",
+                            "--best_checkpoint_mode", "min", "--lipschitz.num_points", "16", "--lipschitz.attention",
+                            "false", "--lipschitz.iterations", "3", "--trainer.max_epochs", "2",
+                            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",
+                            "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=False)
+    assert best["epoch"] in (0, 1)

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 RESULTS_FILE = "results.json"  # beside the tested checkpoint (results_file.py writes it)
+LAST_CHECKPOINT = "last.ckpt"
 
 
 class MeasurementInterrupted(Exception):
@@ -204,15 +205,17 @@ class _NoBar:
 
 
 def results_path(trainer) -> Path | None:
-    """Beside the tested checkpoint: the one given to ``test``, else the run's last checkpoint, else
-    the run directory."""
-    candidates = [trainer.ckpt_path]
-    checkpoint = getattr(trainer, "checkpoint_callback", None)
-    if checkpoint is not None:
-        candidates += [checkpoint.last_model_path, checkpoint.best_model_path]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file():
-            return Path(candidate).parent / RESULTS_FILE
+    """Beside the tested checkpoint: the one given to ``test`` (``results.json`` for ``last.ckpt``,
+    ``results_<name>.json`` for another, e.g. ``best.ckpt``, so that it never replaces the final weights' results),
+    else the run's checkpoints (a test after fit: the final weights), else the run directory."""
+    tested = trainer.ckpt_path
+    if tested and Path(tested).is_file():
+        tested = Path(tested)
+        return tested.parent / (RESULTS_FILE if tested.name == LAST_CHECKPOINT else f"results_{tested.stem}.json")
+    for checkpoint in getattr(trainer, "checkpoint_callbacks", []):
+        for candidate in (checkpoint.last_model_path, checkpoint.best_model_path):
+            if candidate and Path(candidate).is_file():
+                return Path(candidate).parent / RESULTS_FILE
     return Path(trainer.log_dir) / RESULTS_FILE if trainer.log_dir else None
 
 
