@@ -81,6 +81,37 @@ def test_bad_autoattack_batch_sizes_are_refused():
             RobustnessMonitor(autoattack_batch_size=bad)
 
 
+def test_bad_batch_sizes_are_refused():
+    assert RobustnessMonitor(batch_size="memory").batch_size == "memory"
+    assert RobustnessMonitor(batch_size="memory").autoattack_batch_size == "memory"  # AutoAttack follows
+    for bad in (0, "maybe"):
+        with pytest.raises(ValueError, match="batch_size must be >= 1 or 'memory'"):
+            RobustnessMonitor(batch_size=bad)
+
+
+def test_every_measurement_sized_by_memory_gives_the_numbers_of_the_same_size_set(tmp_path, tiny_vit_args, caplog):
+    """``--robustness.batch_size memory``: clean, certified, FGSM and PGD take all 8 points at once (AutoAttack, which
+    follows it, its 4), and the numbers are those of ``--robustness.batch_size 8``: the same points and seeds."""
+    os.chdir(tmp_path)
+    caplog.set_level("INFO")
+    measure = ["--robustness.test_num_points", "8", "--robustness.test_attacks", "[fgsm, pgd, autoattack]",
+               "--robustness.autoattack_num_points", "4", "--robustness.pgd_steps", "2", "--lipschitz.every_n_epochs",
+               "0", "--robustness.eps", "[0.03]", "--robustness.autoattack_eps", "[0.03]"]
+    main(["fit", *tiny_vit_args, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+          "--robustness.every_n_epochs", "1", "--robustness.num_points", "8", "--robustness.attacks", "[]",
+          "--test_after_fit", "true", "--run_dir", "run", "--robustness.batch_size", "memory", *measure])
+    results = tmp_path / "run" / "checkpoints" / "results.json"
+    sized = json.loads(results.read_text())["robustness"]
+    assert sized["batch_size"] == 8 and sized["autoattack_batch_size"] == 4
+    assert "the measurements and attacks take 8 points at once (--robustness.batch_size memory" in caplog.text
+    assert "AutoAttack attacks 4 points at once (--robustness.batch_size memory" in caplog.text
+    main(["test", *tiny_vit_args, "--ckpt_path", str(results.parent / "last.ckpt"), "--robustness.batch_size", "8",
+          "--robustness.autoattack_batch_size", "4", *measure])
+    set_by_hand = json.loads(results.read_text())["robustness"]
+    assert set_by_hand["batch_size"] == 8
+    assert set_by_hand["accuracy"] == sized["accuracy"] and set_by_hand["certified"] == sized["certified"]
+
+
 def test_the_monitor_sizes_autoattack_by_memory(tmp_path, tiny_vit_args, caplog):
     """A fit and its test with the official AutoAttack on 4 points, batch sized by memory: all 4 at once."""
     os.chdir(tmp_path)
@@ -140,5 +171,5 @@ def test_under_ddp_each_process_gets_its_share_of_the_points_and_of_the_cpus_mem
     monitor = RobustnessMonitor(autoattack_batch_size="memory")
     spec = AttackSpec("autoattack", "L2", 0.5)
     size = monitor._autoattack_batch(trainer, tiny_vit, dataset, [spec], {spec.label: 7},
-                                     AttackSettings(10, 3, None, "standard", 0), "cpu", "test")
+                                     AttackSettings(10, 3, None, "standard", 0), "cpu", "test", 256)
     assert size == 4 and sized == [(4, 4 * 2 ** 30)] and broadcast == [4]

@@ -62,7 +62,8 @@ class RobustnessMonitor(L.Callback):
             (None: as FGSM and PGD); its clean accuracy on them is logged as ``autoattack_clean``.
         certified_radii: ℓ2 radii at which certified accuracy is logged besides the attack budgets.
         pgd_steps: PGD iterations (step size 2.5·ε/steps).
-        batch_size: points measured and attacked at once.
+        batch_size: points measured and attacked at once; ``memory``: sized as ``autoattack_batch_size memory``
+            below, for the network's pass on all the measured points.
         autoattack_batch_size: points the official AutoAttack (and ``autoattack_tap``) attacks at once (None:
             ``batch_size``). A batch is the unit a stopped test resumes from, so on a CPU, where a batch of points
             that resist takes an hour, smaller batches lose less to a SIGTERM; on a GPU larger ones cost little more
@@ -85,15 +86,19 @@ class RobustnessMonitor(L.Callback):
                  autoattack_version: str = "standard", attack_num_points: int | None = None,
                  autoattack_num_points: int | None = None,
                  certified_radii: Sequence[float] = (0.1, 0.25, 0.5, 1.0), pgd_steps: int = 10,
-                 batch_size: int = 256, autoattack_batch_size: int | Literal["memory"] | None = None,
+                 batch_size: int | Literal["memory"] = 256,
+                 autoattack_batch_size: int | Literal["memory"] | None = None,
                  compile: bool = False,
                  seed: int = 0) -> None:
         for name in (*attacks, *test_attacks):
             if name not in ATTACKS:
                 raise ValueError(f"unknown attack {name!r}; choose from {ATTACKS}")
-        if every_n_epochs < 0 or num_points < 1 or batch_size < 1:
-            raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1 and batch_size >= 1; got "
-                             f"{every_n_epochs}, {num_points}, {batch_size}")
+        if every_n_epochs < 0 or num_points < 1:
+            raise ValueError(f"need every_n_epochs >= 0 (0: off) and num_points >= 1; got {every_n_epochs}, "
+                             f"{num_points}")
+        if batch_size != "memory" and (isinstance(batch_size, str) or batch_size < 1):
+            raise ValueError(f"batch_size must be >= 1 or 'memory' (sized by the device's memory), got "
+                             f"{batch_size!r}")
         for label, value in (("test_num_points", test_num_points), ("attack_num_points", attack_num_points),
                              ("autoattack_num_points", autoattack_num_points)):
             if value is not None and value < 1:
@@ -113,6 +118,7 @@ class RobustnessMonitor(L.Callback):
         self.certified_radii, self.pgd_steps, self.batch_size, self.seed = tuple(certified_radii), pgd_steps, \
             batch_size, seed
         self.autoattack_batch_size = batch_size if autoattack_batch_size is None else autoattack_batch_size
+        self._autoattack_follows = autoattack_batch_size is None
         self.compile = bool(compile)
         AttackSettings(10, pgd_steps, None, autoattack_version, seed)  # validates the version
         self._said_no_bound = False
@@ -159,12 +165,13 @@ class RobustnessMonitor(L.Callback):
                                   self.seed)
         with float32_network(pl_module.network) as network:
             bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64: rounding shrinks radii
+            batch = self._measured_batch(trainer, network, dataset, count, settings, pl_module.device, stage)
             aa_batch = self._autoattack_batch(trainer, network, dataset, specs, prefix, settings, pl_module.device,
-                                              stage)
+                                              stage, batch)
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("robustness-" + store_key(
-                    network, dataset, settings, [(s.label, prefix[s.label]) for s in specs], count, self.batch_size,
+                    network, dataset, settings, [(s.label, prefix[s.label]) for s in specs], count, batch,
                     self.certified_radii, aa_batch))
             session = Session.of(trainer, f"robustness ({stage})", store)
 
@@ -176,7 +183,7 @@ class RobustnessMonitor(L.Callback):
                 return out
 
             # what each attack calls: compiled, at its batch size, or at its points where they are fewer
-            sizes = {s.label: min(self._batch_size(s, aa_batch), prefix[s.label]) for s in specs}
+            sizes = {s.label: min(self._batch_size(s, aa_batch, batch), prefix[s.label]) for s in specs}
             networks = {size: attacked_network(network, size, self.compile) for size in set(sizes.values())}
             attacked = {label: networks[size] for label, size in sizes.items()}
 
@@ -188,35 +195,53 @@ class RobustnessMonitor(L.Callback):
             batches_of: dict[str, list] = {}
             try:
                 name = "clean and certified" if bound is not None else "clean"
-                batches_of["clean"] = measure_batches(dataset, count, self.batch_size, pl_module.device, clean,
+                batches_of["clean"] = measure_batches(dataset, count, batch, pl_module.device, clean,
                                                       session, name, exact)
                 if specs:
                     self._say_plan(attacked, dataset, specs, prefix, count, settings, pl_module.device, stage,
                                    aa_batch)
                 for spec in specs:  # each attack over its points in turn: batch b attacked with seed + b, as ever
                     batches_of[spec.label] = measure_batches(dataset, prefix[spec.label],
-                                                             self._batch_size(spec, aa_batch), pl_module.device,
+                                                             self._batch_size(spec, aa_batch, batch), pl_module.device,
                                                              attack(spec), session, spec.label, attacked[spec.label])
             except MeasurementInterrupted as stopped:
                 self._interrupted(trainer, pl_module, stage, stopped, batches_of, count, specs, prefix, bound,
-                                  dataset, session, aa_batch)
+                                  dataset, session, aa_batch, batch)
                 return
         session.finished()
         self._record(trainer, pl_module, stage, _concatenated(batches_of), specs, prefix, count, bound, reason,
-                     dataset, aa_batch)
+                     dataset, aa_batch, batch)
 
-    def _batch_size(self, spec: AttackSpec, autoattack_batch: int) -> int:
-        return autoattack_batch if spec.name.startswith("autoattack") else self.batch_size
+    @staticmethod
+    def _batch_size(spec: AttackSpec, autoattack_batch: int, batch: int) -> int:
+        return autoattack_batch if spec.name.startswith("autoattack") else batch
+
+    def _measured_batch(self, trainer, network: nn.Module, dataset, count: int, settings, device,
+                        stage: tags.Stage) -> int:
+        """The batch of clean and certified accuracy, FGSM and PGD: as set, or (``memory``) as AutoAttack's."""
+        if self.batch_size != "memory":
+            return self.batch_size
+        return self._memory_batch(trainer, network, dataset, count, settings, device, stage, "batch_size",
+                                  "the measurements and attacks take")
 
     def _autoattack_batch(self, trainer, network: nn.Module, dataset, specs, prefix, settings, device,
-                          stage: tags.Stage) -> int:
+                          stage: tags.Stage, batch: int) -> int:
         """AutoAttack's batch size: as set, or (``memory``) sized by the device's total memory on rank 0 and
         broadcast, so that every process splits the points alike."""
         if self.autoattack_batch_size != "memory":
             return self.autoattack_batch_size
         points = max((prefix[s.label] for s in specs if s.name.startswith("autoattack")), default=0)
         if not points:
-            return self.batch_size  # no AutoAttack in this measurement
+            return batch  # no AutoAttack in this measurement
+        option = "batch_size" if self._autoattack_follows else "autoattack_batch_size"
+        return self._memory_batch(trainer, network, dataset, points, settings, device, stage, option,
+                                  "AutoAttack attacks")
+
+    @staticmethod
+    def _memory_batch(trainer, network: nn.Module, dataset, points: int, settings, device, stage: tags.Stage,
+                      option: str, what: str) -> int:
+        """The largest batch of ``points`` whose estimated peak fits the device's memory
+        (:func:`~stability.robustness.batch_memory.memory_sized_batch`), decided on rank 0 and broadcast."""
         size = 0
         if trainer.is_global_zero:
             images, labels = load(dataset, 0, min(points, 4), device)
@@ -225,8 +250,8 @@ class RobustnessMonitor(L.Callback):
             memory = device_memory(device) // max(1, sharing)
             size = memory_sized_batch(network, images, labels, -(-points // trainer.world_size),
                                       settings.num_classes, memory)
-            rank_zero_info(f"robustness ({stage}): AutoAttack attacks {size} points at once (--robustness."
-                           f"autoattack_batch_size memory: {MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB"
+            rank_zero_info(f"robustness ({stage}): {what} {size} points at once (--robustness.{option} memory: "
+                           f"{MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB"
                            + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")
         return int(trainer.strategy.broadcast(size, src=0))
 
@@ -263,7 +288,7 @@ class RobustnessMonitor(L.Callback):
 
     def _interrupted(self, trainer, pl_module, stage: tags.Stage, stopped: MeasurementInterrupted,
                      batches_of: dict[str, list], count: int, specs, prefix, bound, dataset, session,
-                     autoattack_batch: int) -> None:
+                     autoattack_batch: int, batch: int) -> None:
         """SIGTERM during a measurement. At test: the points measured so far are recorded (each with its number of
         points; results.json says the run is incomplete), the finished batches stay for a rerun to resume from, and
         the run stops (exit status 143). During fit: this validation's measurement is dropped and the fit stops at its
@@ -279,7 +304,7 @@ class RobustnessMonitor(L.Callback):
         if "clean" in measured and measured["clean"] == count:
             points = {s.label: measured.get(s.label, 0) for s in specs}
             self._record(trainer, pl_module, stage, _concatenated(partial), [s for s in specs if points[s.label]],
-                         points, count, bound, "", dataset, autoattack_batch, log=False)
+                         points, count, bound, "", dataset, autoattack_batch, batch, log=False)
         else:
             self.last_results[stage] = {"points": measured.get("clean", 0)}
         self.last_results[stage].update(interrupted=done, complete=False)
@@ -289,7 +314,7 @@ class RobustnessMonitor(L.Callback):
         raise SIGTERMException
 
     def _record(self, trainer, pl_module, stage: tags.Stage, masks: dict[str, torch.Tensor], specs, prefix, count,
-                bound, reason, dataset, autoattack_batch: int, log: bool = True) -> None:
+                bound, reason, dataset, autoattack_batch: int, batch: int, log: bool = True) -> None:
         radii = masks.pop("radius", None)
         attacked = max((prefix[s.label] for s in specs if not s.name.startswith("autoattack")), default=count)
         aa_count = max((prefix[s.label] for s in specs if s.name.startswith("autoattack")), default=attacked)
@@ -320,6 +345,7 @@ class RobustnessMonitor(L.Callback):
             "attacks": {s.label: {"attack": s.name, "norm": s.norm, "eps": s.eps, "points": prefix[s.label]}
                         for s in specs},
             "autoattack_version": self.autoattack_version,
+            "batch_size": batch,
             "autoattack_batch_size": autoattack_batch if any(s.name.startswith("autoattack") for s in specs) else None,
             "compiled": self.compile,  # the attacks' network (--robustness.compile): equal up to rounding
         }
