@@ -19,8 +19,10 @@ in float32 whatever the training precision; the weights once, on the first proce
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
+from typing import Literal
 
 import lightning as L
 import torch
@@ -32,32 +34,47 @@ from ..lipschitz import empirical_lower_bound, jacobian_norm
 from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
 from ..lipschitz.pairs import certified_pair_constants, margin_lower_bound
 from ..nn.spectral import rms_scale, spectral_norms
-from ..robustness.attacks import evaluating, gradients_allowed
+from ..robustness.attacks import evaluating, gradients_allowed, input_gradient
+from ..robustness.batch_memory import MEMORY_SHARE, largest_batch, process_memory, unit_bytes
+from ..testing.profiling import saved_for_backward
 from .bounds import exact_certificate
 from .measuring import EpochShare, MeasurementInterrupted, Session, results_path, store_key
-from .points import dataset_of, has_finite_weights, measure_batches, point_count
+from .points import dataset_of, has_finite_weights, load, measure_batches, point_count
 from .precision import float32_network
+
+
+def _saved_by(unit, images: torch.Tensor, _labels: torch.Tensor) -> int:
+    return saved_for_backward(functools.partial(unit, images))
+
+
+COPIES = 8  # input-sized buffers a point of the estimates keeps beside the graph: x, v, Jᵀu, the ascent's δ, …
 
 
 class LipschitzMonitor(L.Callback):
     """Args: every_n_epochs (0: off, also at test), num_points during fit, test_num_points at test
     (None: all), power ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``,
     ``weights``, ``attention`` (the diagnostics) on ``attention_points`` points, ``per_head`` scalars,
-    ``batch_size`` points per batch; ``pair_points``: at test, the margins' global lower bound by gradient ascent on
-    pairs from that many points (GloRo's tool, ``pair_steps`` Adam steps; 0: off), against the certified per-pair
-    constants (``margin_lower_bound``, ``margin_bound``, ``margin_tightness``)."""
+    ``batch_size`` points per batch (``memory``: the largest whose estimated peak fits half the device's memory,
+    from the bytes the local estimates and the attention diagnostics save per point,
+    :mod:`~stability.robustness.batch_memory`; the batches' seeds make the numbers depend on it); ``pair_points``: at
+    test, the margins' global lower bound by gradient ascent on pairs from that many points (GloRo's tool,
+    ``pair_steps`` Adam steps; 0: off), against the certified per-pair constants (``margin_lower_bound``,
+    ``margin_bound``, ``margin_tightness``)."""
 
     def __init__(self, every_n_epochs: int = 1, num_points: int = 64, test_num_points: int | None = None,
                  iterations: int = 10, exclude_patch_embed: bool = False, lower_bound: bool = True,
                  weights: bool = True, attention: bool = True, attention_points: int = 16, per_head: bool = False,
-                 batch_size: int = 64, pair_points: int = 0, pair_steps: int = 200) -> None:
+                 batch_size: int | Literal["memory"] = 64, pair_points: int = 0, pair_steps: int = 200) -> None:
         if pair_points < 0 or pair_steps < 1:
             raise ValueError(f"need pair_points >= 0 (0: off) and pair_steps >= 1; got {pair_points}, {pair_steps}")
         self.pair_points, self.pair_steps = pair_points, pair_steps
-        if every_n_epochs < 0 or num_points < 1 or iterations < 1 or batch_size < 1 or attention_points < 1:
-            raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1, iterations >= 1, batch_size >= 1 "
-                             f"and attention_points >= 1; got {every_n_epochs}, {num_points}, {iterations}, "
-                             f"{batch_size}, {attention_points}")
+        if every_n_epochs < 0 or num_points < 1 or iterations < 1 or attention_points < 1:
+            raise ValueError(f"need every_n_epochs >= 0 (0: off), num_points >= 1, iterations >= 1 and "
+                             f"attention_points >= 1; got {every_n_epochs}, {num_points}, {iterations}, "
+                             f"{attention_points}")
+        if batch_size != "memory" and (isinstance(batch_size, str) or batch_size < 1):
+            raise ValueError(f"batch_size must be >= 1 or 'memory' (sized by the device's memory), got "
+                             f"{batch_size!r}")
         if test_num_points is not None and test_num_points < 1:
             raise ValueError(f"test_num_points must be >= 1 or None (all points), got {test_num_points}")
         self.every_n_epochs, self.num_points, self.test_num_points = every_n_epochs, num_points, test_num_points
@@ -107,14 +124,15 @@ class LipschitzMonitor(L.Callback):
         dataset = dataset_of(loaders)
         count = point_count(dataset, num_points)
         with float32_network(pl_module.network) as network:
+            batch = self._measured_batch(trainer, network, dataset, count, pl_module.device, stage)
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("lipschitz-" + store_key(
                     network, dataset, self.iterations, self.exclude_patch_embed, self.lower_bound, self.attention,
-                    self.attention_points, self.pair_points, self.pair_steps, count, self.batch_size))
+                    self.attention_points, self.pair_points, self.pair_steps, count, batch))
             session = Session.of(trainer, f"lipschitz ({stage})", store)
             try:
-                batches = measure_batches(dataset, count, self.batch_size, pl_module.device,
+                batches = measure_batches(dataset, count, batch, pl_module.device,
                                           lambda index, images, _: self.measure_points(network, index, images),
                                           session, "local Lipschitz estimates", network)
             except MeasurementInterrupted as stopped:
@@ -135,7 +153,8 @@ class LipschitzMonitor(L.Callback):
                 metrics["certified_tightness"] = bound.value / float(values["local"].max())
                 if stage == "test" and self.pair_points:
                     try:
-                        metrics.update(self._pairs(dataset, count, network, bound, exact, pl_module, session))
+                        metrics.update(self._pairs(dataset, count, network, bound, exact, pl_module, session,
+                                                   batch))
                     except MeasurementInterrupted as stopped:
                         self._interrupted(stage, stopped, count)
                         return
@@ -152,7 +171,7 @@ class LipschitzMonitor(L.Callback):
                         return point_statistics(network, images)
 
                 try:
-                    per_point = measure_batches(dataset, attention_count, self.batch_size, pl_module.device,
+                    per_point = measure_batches(dataset, attention_count, batch, pl_module.device,
                                                 diagnostics, session, "attention diagnostics", network)
                 except MeasurementInterrupted as stopped:
                     self._interrupted(stage, stopped, count)
@@ -164,7 +183,7 @@ class LipschitzMonitor(L.Callback):
                 logged.update(_weight_norms(network))
         session.finished()
         self.last_results[stage] = {
-            "points": count, **metrics,
+            "points": count, "batch_size": batch, **metrics,
             "certified_bound": None if bound is None else {"value": bound.value, "label": bound.label,
                                                            "domain": bound.domain}}
         if trainer.is_global_zero:
@@ -174,7 +193,45 @@ class LipschitzMonitor(L.Callback):
                     for tag, value in histograms.items():
                         logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
 
-    def _pairs(self, dataset, count: int, network, bound, exact, pl_module, session) -> dict[str, float]:
+    def _measured_batch(self, trainer, network: torch.nn.Module, dataset, count: int, device,
+                        stage: tags.Stage) -> int:
+        """The batch size: as set, or (``memory``) the largest whose estimate fits the device's memory, from the
+        bytes the largest of the measurements' units of work saves (:meth:`_units`), counted on rank 0 and
+        broadcast."""
+        if self.batch_size != "memory":
+            return self.batch_size
+        size = 0
+        if trainer.is_global_zero:
+            images, labels = load(dataset, 0, min(count, 4), device)
+            estimates = [unit_bytes(functools.partial(_saved_by, unit), images, labels)
+                         for unit in self._units(network)]
+            per_point, fixed = max(e[0] for e in estimates), max(e[1] for e in estimates)
+            memory = process_memory(device, trainer.num_devices)  # each process measures its share of the points
+            copies = COPIES * images[0].numel() * images.element_size()
+            size = largest_batch(per_point, fixed, copies, -(-count // trainer.world_size), memory)
+            rank_zero_info(f"lipschitz ({stage}): {size} points at once (--lipschitz.batch_size memory: "
+                           f"{MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB"
+                           + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")
+        return int(trainer.strategy.broadcast(size, src=0))
+
+    @staticmethod
+    def _units(network: torch.nn.Module) -> list:
+        """The measurements' units of work on a batch, one graph each (the peak is the largest, not their sum): a
+        local estimate (the network's graph, its attention maps materialised, and a differentiable vector–Jacobian
+        product's) and a step of the lower bound's ascent or of the pairs' (a forward and backward pass). The
+        attention diagnostics keep no graph; the maps they compute are those the local estimate's graph holds."""
+        def local(x: torch.Tensor) -> None:
+            with gradients_allowed(), evaluating(network):
+                jacobian_norm(network, x, 1)
+
+        def ascent_step(x: torch.Tensor) -> None:
+            with gradients_allowed(), evaluating(network):
+                input_gradient(network, x, torch.zeros(len(x), dtype=torch.long, device=x.device))
+
+        return [local, ascent_step]
+
+    def _pairs(self, dataset, count: int, network, bound, exact, pl_module, session,
+               batch: int) -> dict[str, float]:
         """The margins' lower bound from pairs against the certified per-pair constants (lipschitz/pairs.py): the
         ascent runs on the measured network, each point's best pair is evaluated again on the certificate's float64
         copy ``exact``."""
@@ -185,7 +242,7 @@ class LipschitzMonitor(L.Callback):
                 ratio, pair = margin_lower_bound(network, images, self.pair_steps, seed=index, exact=exact)
             return {"ratio": ratio, "pair": pair}
 
-        batches = measure_batches(dataset, min(count, self.pair_points), self.batch_size, pl_module.device, ascent,
+        batches = measure_batches(dataset, min(count, self.pair_points), batch, pl_module.device, ascent,
                                   session, "margin lower bound (pairs)", network)
         ratio = torch.cat([b["ratio"] for b in batches]).double()
         pair = torch.cat([b["pair"] for b in batches])

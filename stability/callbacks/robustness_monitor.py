@@ -30,7 +30,7 @@ from .. import tags
 from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
 from ..robustness.autoattack_cost import autoattack_seconds
-from ..robustness.batch_memory import MEMORY_SHARE, device_memory, memory_sized_batch
+from ..robustness.batch_memory import MEMORY_SHARE, memory_sized_batch, process_memory
 from ..robustness.fixed_batch import attacked_network, paid_points
 from .bounds import exact_certificate
 from .measuring import (
@@ -245,9 +245,7 @@ class RobustnessMonitor(L.Callback):
         size = 0
         if trainer.is_global_zero:
             images, labels = load(dataset, 0, min(points, 4), device)
-            # on the CPU the processes of one machine share its memory; each process attacks its share of the points
-            sharing = trainer.num_devices if torch.device(device).type == "cpu" else 1
-            memory = device_memory(device) // max(1, sharing)
+            memory = process_memory(device, trainer.num_devices)  # each process attacks its share of the points
             size = memory_sized_batch(network, images, labels, -(-points // trainer.world_size),
                                       settings.num_classes, memory)
             rank_zero_info(f"robustness ({stage}): {what} {size} points at once (--robustness.{option} memory: "

@@ -1,4 +1,5 @@
-"""The official AutoAttack's batch sized by the device's memory (``--robustness.autoattack_batch_size memory``).
+"""A measurement's batch sized by the device's memory (``--robustness.autoattack_batch_size memory``,
+``--robustness.batch_size memory``, ``--lipschitz.batch_size memory``).
 
 AutoAttack's time is set by its calls of the network per batch (at most 7,888 for the standard version,
 :mod:`~stability.robustness.autoattack_cost`), not by the points in the batch, so on a GPU the fastest batch is the
@@ -12,10 +13,15 @@ gradients, plus ``16 + classes`` copies of the input for the attack's own buffer
 FAB's per-class gradients in its untargeted version). ``share`` (one half by default) leaves room for what the count
 does not see. The device's *total* memory is used, not what is free now, so the size, and with it the batches' seeds
 and the numbers, is the same on every run on the same device and network: a stopped test resumes from its batches.
+
+The Lipschitz measurements size theirs the same way from their own unit of work (:func:`unit_bytes`): the power
+iteration keeps the graph of a vector–Jacobian product made differentiable (``create_graph``), about twice a pass.
 """
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,12 +42,19 @@ def saved_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) 
         return saved_for_backward(lambda: input_gradient(network, images, labels))
 
 
-def pass_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """(bytes per point, bytes independent of the batch) that a forward and backward pass to the input saves,
-    from the counts at 2 and 4 points (``images`` repeated as needed)."""
-    counts = [saved_bytes(network, *repeated_to(size, images, labels)) for size in (2, 4)]
+def unit_bytes(count: Callable[[torch.Tensor, torch.Tensor], int], images: torch.Tensor,
+               labels: torch.Tensor) -> tuple[int, int]:
+    """(bytes per point, bytes independent of the batch) of a unit of work whose saved bytes at a batch are
+    ``count(images, labels)``, from the counts at 2 and 4 points (``images`` repeated as needed): the count is affine
+    in the batch."""
+    counts = [count(*repeated_to(size, images, labels)) for size in (2, 4)]
     per_point = max(0, (counts[1] - counts[0]) // 2)
     return per_point, max(0, counts[0] - 2 * per_point)
+
+
+def pass_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """:func:`unit_bytes` of a forward and backward pass to the input (an attack's unit of work)."""
+    return unit_bytes(functools.partial(saved_bytes, network), images, labels)
 
 
 CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")  # a container's or a job's limit (cgroup v2), where one is set
@@ -61,15 +74,30 @@ def device_memory(device: torch.device | str) -> int:
     return min(memory, int(limit)) if limit.isdigit() else memory
 
 
+def process_memory(device: torch.device | str, processes_here: int) -> int:
+    """The memory one process may plan with: the device's, or on the CPU the machine's shared by the processes of
+    one machine (``processes_here``: a DDP run's devices on this node)."""
+    sharing = processes_here if torch.device(device).type == "cpu" else 1
+    return device_memory(device) // max(1, sharing)
+
+
 def memory_sized_batch(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, points: int, num_classes: int,
                        memory: int, share: float = MEMORY_SHARE) -> int:
     """The largest AutoAttack batch whose estimated peak fits ``share`` of ``memory`` bytes, at most ``points``."""
+    per_point, fixed = pass_bytes(network, images, labels)
+    copies = (16 + num_classes) * images[0].numel() * images.element_size()
+    return largest_batch(per_point, fixed, copies, points, memory, share)
+
+
+def largest_batch(per_point: int, fixed: int, copies: int, points: int, memory: int,
+                  share: float = MEMORY_SHARE) -> int:
+    """⌊(share · memory − 2·fixed) / (2·per_point + copies)⌋ in [1, points]: the saved bytes doubled for the
+    transient tensors (``TRANSIENT_FACTOR``), plus ``copies`` bytes a point of the measurement's own buffers."""
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], got {share}")
-    per_point, fixed = pass_bytes(network, images, labels)
-    per_point = TRANSIENT_FACTOR * per_point + (16 + num_classes) * images[0].numel() * images.element_size()
     room = share * memory - TRANSIENT_FACTOR * fixed
-    return int(max(1, min(points, room // per_point)))
+    return int(max(1, min(points, room // max(1, TRANSIENT_FACTOR * per_point + copies))))
 
 
-__all__ = ["CGROUP_LIMIT", "MEMORY_SHARE", "device_memory", "memory_sized_batch", "pass_bytes", "saved_bytes"]
+__all__ = ["CGROUP_LIMIT", "MEMORY_SHARE", "device_memory", "largest_batch", "memory_sized_batch", "pass_bytes",
+           "process_memory", "saved_bytes", "unit_bytes"]
