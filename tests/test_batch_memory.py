@@ -197,6 +197,26 @@ def test_a_pass_on_the_gpu_stays_inside_its_estimate(tiny_vit):
     assert peak <= TRANSIENT_FACTOR * (fixed + 256 * per_point)
 
 
+@pytest.mark.gpu
+def test_a_local_estimate_on_the_gpu_stays_inside_its_estimate(tiny_vit):
+    """The same for the Lipschitz measurements' largest unit, a local estimate (power iteration) at 256 points, with
+    the input copies the monitor allows beside it."""
+    from stability.callbacks.lipschitz_monitor import COPIES, LipschitzMonitor
+
+    device = torch.device("cuda")
+    network = tiny_vit.to(device)
+    images, labels = (t.to(device) for t in points(256))
+    monitor = LipschitzMonitor(iterations=10, attention=False)
+    local = monitor._units(network)[0]
+    per_point, fixed = unit_bytes(lambda x, _: saved_for_backward(lambda: local(x)), images[:4], labels[:4])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    monitor.measure_points(network, 0, images)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    assert peak <= TRANSIENT_FACTOR * (fixed + 256 * per_point) + 256 * COPIES * images[0].numel() * 4
+
+
 def test_the_cpus_memory_is_the_cgroups_limit_where_lower(tmp_path, monkeypatch):
     limit = tmp_path / "memory.max"
     monkeypatch.setattr(batch_memory, "CGROUP_LIMIT", limit)
