@@ -9,13 +9,14 @@ import os
 import pytest
 import torch
 
-from stability.callbacks.lipschitz_monitor import LipschitzMonitor
+from stability.callbacks.lipschitz_monitor import COPIES, LipschitzMonitor
 from stability.callbacks.robustness_monitor import RobustnessMonitor
 from stability.classifier import ImageClassifier
 from stability.cli import main
 from stability.models import Network
 from stability.models.lipconvnet import LipConvNet
 from stability.robustness import batch_memory
+from stability.robustness.attacks import AttackSettings, AttackSpec
 from stability.robustness.batch_memory import TRANSIENT_FACTOR, memory_sized_batch, pass_bytes, saved_bytes, unit_bytes
 from stability.testing.profiling import saved_for_backward
 
@@ -117,26 +118,129 @@ def test_bad_batch_sizes_are_refused():
 
 
 def test_every_measurement_sized_by_memory_gives_the_numbers_of_the_same_size_set(tmp_path, tiny_vit_args, caplog):
-    """``--robustness.batch_size memory``: clean, certified, FGSM and PGD take all 8 points at once (AutoAttack, which
-    follows it, its 4), and the numbers are those of ``--robustness.batch_size 8``: the same points and seeds."""
+    """``--robustness.batch_size memory``: clean, certified, FGSM and PGD take all 8 points at once, and the numbers
+    are those of ``--robustness.batch_size 8``: the same points and seeds."""
     os.chdir(tmp_path)
     caplog.set_level("INFO")
-    measure = ["--robustness.test_num_points", "8", "--robustness.test_attacks", "[fgsm, pgd, autoattack]",
-               "--robustness.autoattack_num_points", "4", "--robustness.pgd_steps", "2", "--lipschitz.every_n_epochs",
-               "0", "--robustness.eps", "[0.03]", "--robustness.autoattack_eps", "[0.03]"]
+    measure = ["--robustness.test_num_points", "8", "--robustness.test_attacks", "[fgsm, pgd]",
+               "--robustness.pgd_steps", "2", "--lipschitz.every_n_epochs", "0", "--robustness.eps", "[0.03]"]
     main(["fit", *tiny_vit_args, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
           "--robustness.every_n_epochs", "1", "--robustness.num_points", "8", "--robustness.attacks", "[]",
           "--test_after_fit", "true", "--run_dir", "run", "--robustness.batch_size", "memory", *measure])
     results = tmp_path / "run" / "checkpoints" / "results.json"
     sized = json.loads(results.read_text())["robustness"]
-    assert sized["batch_size"] == 8 and sized["autoattack_batch_size"] == 4
+    assert sized["batch_size"] == 8
     assert "the measurements and attacks take 8 points at once (--robustness.batch_size memory" in caplog.text
-    assert "AutoAttack attacks 4 points at once (--robustness.batch_size memory" in caplog.text
     main(["test", *tiny_vit_args, "--ckpt_path", str(results.parent / "last.ckpt"), "--robustness.batch_size", "8",
-          "--robustness.autoattack_batch_size", "4", *measure])
+          *measure])
     set_by_hand = json.loads(results.read_text())["robustness"]
     assert set_by_hand["batch_size"] == 8
     assert set_by_hand["accuracy"] == sized["accuracy"] and set_by_hand["certified"] == sized["certified"]
+
+
+def fake_trainer(world: int = 1, broadcast: list | None = None):
+    from types import SimpleNamespace
+
+    said = [] if broadcast is None else broadcast
+    return SimpleNamespace(is_global_zero=True, num_devices=world, world_size=world, strategy=SimpleNamespace(
+        broadcast=lambda value, src: said.append(value) or value))
+
+
+def by_hand(counts: list[tuple[int, int]], copies: int, points: int, memory: int) -> int:
+    """⌊(memory/2 − 2·max fixed) / (2·max per point + copies)⌋ in [1, points], from (per point, fixed) counts made
+    in the test."""
+    per_point, fixed = max(c[0] for c in counts), max(c[1] for c in counts)
+    return max(1, min(points, int((memory / 2 - 2 * fixed) // (2 * per_point + copies))))
+
+
+def two_counts(count) -> tuple[int, int]:
+    """(per point, fixed) from counts at 2 and 4 points, as by hand."""
+    c2, c4 = count(*repeat(2)), count(*repeat(4))
+    per_point = (c4 - c2) // 2
+    return per_point, c2 - 2 * per_point
+
+
+def repeat(n: int):
+    images, labels = points(4)
+    index = torch.arange(n) % 4
+    return images[index], labels[index]
+
+
+def test_the_measurements_batch_is_the_formulas_strictly_inside_the_points(monkeypatch, tiny_vit):
+    """With memory for a few points only, ``--robustness.batch_size memory`` gives the hand formula's batch over all
+    the measured points (an attack's pass, or the certificate's float64 forward where larger), and AutoAttack, which
+    follows it, the same formula over its own points; under DDP each process its share, sized by its share of the
+    CPU's memory, decided once and broadcast."""
+    import copy
+
+    images, labels = points(64)
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    exact = copy.deepcopy(tiny_vit).double()
+    copies = (16 + 10) * images[0].numel() * 4
+    passes = two_counts(lambda x, y: saved_bytes(tiny_vit, x, y))
+    forward = two_counts(lambda x, y: batch_memory.float64_forward_bytes(exact, x, y))
+    memory = 2 * (2 * max(passes[1], forward[1]) + 20 * (2 * max(passes[0], forward[0]) + copies)) + 1000
+    monkeypatch.setattr(batch_memory, "device_memory", lambda device: memory)
+    settings = AttackSettings(10, 3, None, "standard", 0)
+    monitor = RobustnessMonitor(batch_size="memory")
+    size = monitor._measured_batch(fake_trainer(), tiny_vit, exact, dataset, 64, settings, "cpu", "test")
+    assert size == by_hand([passes, forward], copies, 64, memory) == 20
+    # once a run: the size depends on the architecture, so a second measurement takes it without counting again
+    monkeypatch.setattr(batch_memory, "pass_bytes", None)
+    assert monitor._measured_batch(fake_trainer(), tiny_vit, exact, dataset, 64, settings, "cpu", "test") == size
+    monkeypatch.undo()
+    monkeypatch.setattr(batch_memory, "device_memory", lambda device: memory)
+    no_bound = RobustnessMonitor(batch_size="memory")._measured_batch(fake_trainer(), tiny_vit, None, dataset, 64,
+                                                                     settings, "cpu", "test")
+    assert no_bound == by_hand([passes], copies, 64, memory) >= size
+    spec = AttackSpec("autoattack", "L2", 0.5)
+    assert monitor._autoattack_batch(fake_trainer(), tiny_vit, dataset, [spec], {spec.label: 12}, settings, "cpu",
+                                     "test", size) == 12  # its 12 points fit at once
+    said: list = []
+    shared = RobustnessMonitor(batch_size="memory")._measured_batch(fake_trainer(2, said), tiny_vit, exact, dataset,
+                                                                   64, settings, "cpu", "test")
+    assert shared == by_hand([passes, forward], copies, 32, memory // 2) and said == [shared]
+
+
+def test_the_lipschitz_batch_is_the_formulas_strictly_inside_the_points(monkeypatch, tiny_vit):
+    """``--lipschitz.batch_size memory`` with memory for a few points: the hand formula over the largest of a local
+    estimate, an ascent step and (at test, with pairs) a pair step and the float64 evaluation, each counted here;
+    under DDP each process its share, decided once and broadcast."""
+    import copy
+
+    from stability.lipschitz import jacobian_norm
+    from stability.lipschitz.pairs import margin_lower_bound
+    from stability.robustness.attacks import evaluating, gradients_allowed
+
+    images, labels = points(64)
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    exact = copy.deepcopy(tiny_vit).double()
+
+    def counted(step):
+        def count(x, _):
+            with gradients_allowed(), evaluating(tiny_vit), evaluating(exact):
+                return saved_for_backward(lambda: step(x))
+        return two_counts(count)
+
+    local = counted(lambda x: jacobian_norm(tiny_vit, x, 1))
+    ascent = two_counts(lambda x, _: saved_bytes(tiny_vit, x, torch.zeros(len(x), dtype=torch.long)))
+    pair = counted(lambda x: margin_lower_bound(tiny_vit, x, 1))
+    float64 = two_counts(lambda x, y: batch_memory.float64_forward_bytes(exact, x, y) +
+                         batch_memory.float64_forward_bytes(exact, x.flip(0), y))
+    copies = COPIES * images[0].numel() * 4
+    largest = [local, ascent, pair, float64]
+    memory = 2 * (2 * max(c[1] for c in largest) + 10 * (2 * max(c[0] for c in largest) + copies)) + 1000
+    monkeypatch.setattr(batch_memory, "device_memory", lambda device: memory)
+    monitor = LipschitzMonitor(batch_size="memory", pair_points=64)
+    with_pairs = monitor._measured_batch(fake_trainer(), tiny_vit, exact, dataset, 64, "cpu", "test")
+    assert with_pairs == by_hand(largest, copies, 64, memory) == 10
+    without = LipschitzMonitor(batch_size="memory")._measured_batch(fake_trainer(), tiny_vit, None, dataset, 64,
+                                                                    "cpu", "fit")
+    assert without == by_hand([local, ascent], copies, 64, memory) >= with_pairs
+    said: list = []
+    shared = LipschitzMonitor(batch_size="memory")._measured_batch(fake_trainer(2, said), tiny_vit, None, dataset, 64,
+                                                                   "cpu", "fit")
+    assert shared == by_hand([local, ascent], copies, 32, memory // 2) and said == [shared]
 
 
 def test_bad_lipschitz_batch_sizes_are_refused():
@@ -238,7 +342,7 @@ def test_under_ddp_each_process_gets_its_share_of_the_points_and_of_the_cpus_mem
     dataset = torch.utils.data.TensorDataset(images, labels)
     sized = []
     monkeypatch.setattr("stability.callbacks.robustness_monitor.memory_sized_batch",
-                        lambda net, x, y, points, classes, memory: sized.append((points, memory)) or points)
+                        lambda net, x, y, points, classes, memory, **_: sized.append((points, memory)) or points)
     monkeypatch.setattr(batch_memory, "device_memory", lambda device: 8 * 2 ** 30)
     broadcast = []
     trainer = SimpleNamespace(is_global_zero=True, num_devices=2, world_size=2, strategy=SimpleNamespace(

@@ -47,7 +47,8 @@ def _saved_by(unit, images: torch.Tensor, _labels: torch.Tensor) -> int:
     return saved_for_backward(functools.partial(unit, images))
 
 
-COPIES = 8  # input-sized buffers a point of the estimates keeps beside the graph: x, v, Jᵀu, the ascent's δ, …
+COPIES = 12  # input-sized buffers a point keeps beside the graph: x, v, Jᵀu, δ; the pairs' x₁, x₂, their gradients,
+#             Adam's four moments, the pairs kept
 
 
 class LipschitzMonitor(L.Callback):
@@ -55,7 +56,7 @@ class LipschitzMonitor(L.Callback):
     (None: all), power ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``,
     ``weights``, ``attention`` (the diagnostics) on ``attention_points`` points, ``per_head`` scalars,
     ``batch_size`` points per batch (``memory``: the largest whose estimated peak fits half the device's memory,
-    from the bytes the local estimates and the attention diagnostics save per point,
+    from the bytes the largest of the measurements' units of work saves per point, :meth:`_units`,
     :mod:`~stability.robustness.batch_memory`; the batches' seeds make the numbers depend on it); ``pair_points``: at
     test, the margins' global lower bound by gradient ascent on pairs from that many points (GloRo's tool,
     ``pair_steps`` Adam steps; 0: off), against the certified per-pair constants (``margin_lower_bound``,
@@ -82,6 +83,7 @@ class LipschitzMonitor(L.Callback):
         self.exclude_patch_embed, self.lower_bound, self.weights = exclude_patch_embed, lower_bound, weights
         self.attention, self.attention_points, self.per_head = attention, attention_points, per_head
         self._said_no_bound = False
+        self._sized: dict[tuple, int] = {}  # memory-sized batches, by (stage, points, pairs)
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
         self._share = EpochShare("--lipschitz.num_points, --lipschitz.attention_points, --lipschitz.pair_points, "
                                  "--lipschitz.every_n_epochs")
@@ -124,7 +126,10 @@ class LipschitzMonitor(L.Callback):
         dataset = dataset_of(loaders)
         count = point_count(dataset, num_points)
         with float32_network(pl_module.network) as network:
-            batch = self._measured_batch(trainer, network, dataset, count, pl_module.device, stage)
+            bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64, rounded outward
+            pairs = stage == "test" and self.pair_points and bound is not None and bound.value > 0
+            batch = self._measured_batch(trainer, network, exact if pairs else None, dataset, count,
+                                         pl_module.device, stage)
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("lipschitz-" + store_key(
@@ -145,7 +150,6 @@ class LipschitzMonitor(L.Callback):
                     metrics.update(_summary(key, values[key]))
             if "lower_bound" in values:
                 metrics["lower_bound_max"] = float(values["lower_bound"].max())
-            bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64, rounded outward
             metrics.update({f"{name}_bound_log10": math.log10(value) for stab in pl_module.stabilizers
                             for name, value in stab.labelled_bounds(network).items() if value > 0})
             if bound is not None and bound.value > 0:  # 0: a constant network (a zero-initialised head)
@@ -193,18 +197,25 @@ class LipschitzMonitor(L.Callback):
                     for tag, value in histograms.items():
                         logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
 
-    def _measured_batch(self, trainer, network: torch.nn.Module, dataset, count: int, device,
-                        stage: tags.Stage) -> int:
+    def _measured_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
+                        device, stage: tags.Stage) -> int:
         """The batch size: as set, or (``memory``) the largest whose estimate fits the device's memory, from the
         bytes the largest of the measurements' units of work saves (:meth:`_units`), counted on rank 0 and
         broadcast."""
         if self.batch_size != "memory":
             return self.batch_size
+        key = (stage, count, exact is not None)
+        if key not in self._sized:  # the size depends on the architecture, not on the weights: once per run
+            self._sized[key] = self._memory_batch(trainer, network, exact, dataset, count, device, stage)
+        return self._sized[key]
+
+    def _memory_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
+                      device, stage: tags.Stage) -> int:
         size = 0
         if trainer.is_global_zero:
             images, labels = load(dataset, 0, min(count, 4), device)
             estimates = [unit_bytes(functools.partial(_saved_by, unit), images, labels)
-                         for unit in self._units(network)]
+                         for unit in self._units(network, exact)]
             per_point, fixed = max(e[0] for e in estimates), max(e[1] for e in estimates)
             memory = process_memory(device, trainer.num_devices)  # each process measures its share of the points
             copies = COPIES * images[0].numel() * images.element_size()
@@ -214,12 +225,13 @@ class LipschitzMonitor(L.Callback):
                            + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")
         return int(trainer.strategy.broadcast(size, src=0))
 
-    @staticmethod
-    def _units(network: torch.nn.Module) -> list:
+    def _units(self, network: torch.nn.Module, exact: torch.nn.Module | None = None) -> list:
         """The measurements' units of work on a batch, one graph each (the peak is the largest, not their sum): a
         local estimate (the network's graph, its attention maps materialised, and a differentiable vector–Jacobian
-        product's) and a step of the lower bound's ascent or of the pairs' (a forward and backward pass). The
-        attention diagnostics keep no graph; the maps they compute are those the local estimate's graph holds."""
+        product's), a step of the lower bound's ascent (a forward and backward pass) and, where the pairs run
+        (``exact`` given), a step of their ascent (two graphs at once) and their float64 evaluation on ``exact``
+        (counted with its graph: at least what it holds without one). The attention diagnostics keep no graph; the
+        maps they compute are those the local estimate's graph holds."""
         def local(x: torch.Tensor) -> None:
             with gradients_allowed(), evaluating(network):
                 jacobian_norm(network, x, 1)
@@ -228,7 +240,16 @@ class LipschitzMonitor(L.Callback):
             with gradients_allowed(), evaluating(network):
                 input_gradient(network, x, torch.zeros(len(x), dtype=torch.long, device=x.device))
 
-        return [local, ascent_step]
+        def pair_step(x: torch.Tensor) -> None:
+            with gradients_allowed(), evaluating(network):
+                margin_lower_bound(network, x, 1)
+
+        def float64_pairs(x: torch.Tensor) -> None:
+            with gradients_allowed(), evaluating(exact):
+                x = x.double().requires_grad_(True)
+                exact(x), exact(x.flip(0))
+
+        return [local, ascent_step] + ([pair_step, float64_pairs] if exact is not None else [])
 
     def _pairs(self, dataset, count: int, network, bound, exact, pl_module, session,
                batch: int) -> dict[str, float]:

@@ -122,6 +122,7 @@ class RobustnessMonitor(L.Callback):
         self.compile = bool(compile)
         AttackSettings(10, pgd_steps, None, autoattack_version, seed)  # validates the version
         self._said_no_bound = False
+        self._sized: dict[tuple, int] = {}  # memory-sized batches, by (what, stage, points)
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
         self._share = EpochShare("--robustness.num_points, --robustness.attacks, --robustness.every_n_epochs")
 
@@ -165,7 +166,8 @@ class RobustnessMonitor(L.Callback):
                                   self.seed)
         with float32_network(pl_module.network) as network:
             bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64: rounding shrinks radii
-            batch = self._measured_batch(trainer, network, dataset, count, settings, pl_module.device, stage)
+            batch = self._measured_batch(trainer, network, exact if bound is not None else None, dataset, count,
+                                         settings, pl_module.device, stage)
             aa_batch = self._autoattack_batch(trainer, network, dataset, specs, prefix, settings, pl_module.device,
                                               stage, batch)
             store = None
@@ -216,13 +218,17 @@ class RobustnessMonitor(L.Callback):
     def _batch_size(spec: AttackSpec, autoattack_batch: int, batch: int) -> int:
         return autoattack_batch if spec.name.startswith("autoattack") else batch
 
-    def _measured_batch(self, trainer, network: nn.Module, dataset, count: int, settings, device,
-                        stage: tags.Stage) -> int:
-        """The batch of clean and certified accuracy, FGSM and PGD: as set, or (``memory``) as AutoAttack's."""
+    def _measured_batch(self, trainer, network: nn.Module, exact: nn.Module | None, dataset, count: int, settings,
+                        device, stage: tags.Stage) -> int:
+        """The batch of clean and certified accuracy, FGSM and PGD: as set, or (``memory``) as AutoAttack's, and
+        within the certificate's float64 forward (``exact``) where there is one."""
         if self.batch_size != "memory":
             return self.batch_size
-        return self._memory_batch(trainer, network, dataset, count, settings, device, stage, "batch_size",
-                                  "the measurements and attacks take")
+        key = ("batch", stage, count)
+        if key not in self._sized:  # the size depends on the architecture, not on the weights: once per run
+            self._sized[key] = self._memory_batch(trainer, network, dataset, count, settings, device, stage,
+                                                  "batch_size", "the measurements and attacks take", exact)
+        return self._sized[key]
 
     def _autoattack_batch(self, trainer, network: nn.Module, dataset, specs, prefix, settings, device,
                           stage: tags.Stage, batch: int) -> int:
@@ -234,12 +240,15 @@ class RobustnessMonitor(L.Callback):
         if not points:
             return batch  # no AutoAttack in this measurement
         option = "batch_size" if self._autoattack_follows else "autoattack_batch_size"
-        return self._memory_batch(trainer, network, dataset, points, settings, device, stage, option,
-                                  "AutoAttack attacks")
+        key = ("autoattack", stage, points)
+        if key not in self._sized:
+            self._sized[key] = self._memory_batch(trainer, network, dataset, points, settings, device, stage, option,
+                                                  "AutoAttack attacks")
+        return self._sized[key]
 
     @staticmethod
     def _memory_batch(trainer, network: nn.Module, dataset, points: int, settings, device, stage: tags.Stage,
-                      option: str, what: str) -> int:
+                      option: str, what: str, exact: nn.Module | None = None) -> int:
         """The largest batch of ``points`` whose estimated peak fits the device's memory
         (:func:`~stability.robustness.batch_memory.memory_sized_batch`), decided on rank 0 and broadcast."""
         size = 0
@@ -247,7 +256,7 @@ class RobustnessMonitor(L.Callback):
             images, labels = load(dataset, 0, min(points, 4), device)
             memory = process_memory(device, trainer.num_devices)  # each process attacks its share of the points
             size = memory_sized_batch(network, images, labels, -(-points // trainer.world_size),
-                                      settings.num_classes, memory)
+                                      settings.num_classes, memory, exact=exact)
             rank_zero_info(f"robustness ({stage}): {what} {size} points at once (--robustness.{option} memory: "
                            f"{MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB"
                            + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")

@@ -52,6 +52,14 @@ def unit_bytes(count: Callable[[torch.Tensor, torch.Tensor], int], images: torch
     return per_point, max(0, counts[0] - 2 * per_point)
 
 
+def float64_forward_bytes(exact: nn.Module, images: torch.Tensor, _labels: torch.Tensor) -> int:
+    """Bytes a float64 forward of ``exact`` saves with a graph: at least the peak of the same forward without one."""
+    from .attacks import evaluating, gradients_allowed
+
+    with gradients_allowed(), evaluating(exact):
+        return saved_for_backward(lambda: exact(images.double().requires_grad_(True)))
+
+
 def pass_bytes(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
     """:func:`unit_bytes` of a forward and backward pass to the input (an attack's unit of work)."""
     return unit_bytes(functools.partial(saved_bytes, network), images, labels)
@@ -82,9 +90,13 @@ def process_memory(device: torch.device | str, processes_here: int) -> int:
 
 
 def memory_sized_batch(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, points: int, num_classes: int,
-                       memory: int, share: float = MEMORY_SHARE) -> int:
-    """The largest AutoAttack batch whose estimated peak fits ``share`` of ``memory`` bytes, at most ``points``."""
+                       memory: int, share: float = MEMORY_SHARE, exact: nn.Module | None = None) -> int:
+    """The largest attack batch whose estimated peak fits ``share`` of ``memory`` bytes, at most ``points``; with
+    ``exact`` (a certificate's float64 copy, run on the same batches) the larger of its forward and the pass."""
     per_point, fixed = pass_bytes(network, images, labels)
+    if exact is not None:
+        forward = unit_bytes(functools.partial(float64_forward_bytes, exact), images, labels)
+        per_point, fixed = max(per_point, forward[0]), max(fixed, forward[1])
     copies = (16 + num_classes) * images[0].numel() * images.element_size()
     return largest_batch(per_point, fixed, copies, points, memory, share)
 
