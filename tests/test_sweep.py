@@ -276,6 +276,28 @@ def test_a_run_stopped_by_sigterm_is_not_complete_and_the_sweep_resumes_it(tmp_p
     assert json.loads((run / "done.json").read_text())["status"] == "completed"
 
 
+def test_a_sigterm_to_the_sweep_stops_its_fits_at_once(tmp_path):
+    """SIGTERM to the sweep itself (a scheduler's preemption, ``kill``) stops its running fit and the sweep within
+    seconds, the run kept pending. The sweep used to wait for the fit to end on its own (the thread pool's exit
+    waited for its workers before the fits were told to stop)."""
+    spec = resumable_sweep(tmp_path)
+    sweep = subprocess.Popen([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    run = tmp_path / "sweeps" / "resumable" / "seed=0"
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "last.ckpt").is_file():
+        assert time.time() < deadline and sweep.poll() is None, "no checkpoint was written"
+        time.sleep(0.05)
+    stopped = time.time()
+    sweep.send_signal(signal.SIGTERM)
+    output, _ = sweep.communicate(timeout=120)
+    assert time.time() - stopped < 60, output
+    assert sweep.returncode != 0 and "[completed]" not in output, output
+    assert "stopped by SIGTERM before the run ended" in (run / "run.log").read_text()
+    assert not (run / "done.json").exists()
+
+
 def test_fit_ckpt_path_last_continues_the_newest_version(tmp_path, tiny_vit_args, scalars):
     from stability.cli import main
 

@@ -123,15 +123,16 @@ class Sweep:
         previous = signal.getsignal(signal.SIGTERM) if handle_sigterm and main_thread else None
         if previous is not None:
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        try:
-            with ThreadPoolExecutor(max_workers=self.workers) as pool:
-                for run, status in zip(pending, pool.map(self._execute_one, pending)):
-                    statuses[run.name] = status
+        pool = ThreadPoolExecutor(max_workers=self.workers)
+        try:  # not ``with pool``: its exit waits for the workers, and so for the fits, before they are stopped
+            for run, status in zip(pending, pool.map(self._execute_one, pending)):
+                statuses[run.name] = status
         except BaseException:
             self._stopping = True
             self._stop_children()
             raise
         finally:
+            pool.shutdown(wait=True, cancel_futures=True)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         return statuses
@@ -187,6 +188,8 @@ class Sweep:
                 child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
                 with self._lock:
                     self._children.add(child)
+                    if self._stopping:  # stopped while it started: _stop_children did not see it
+                        child.terminate()
                 code = child.wait()
                 with self._lock:
                     self._children.discard(child)
