@@ -252,18 +252,24 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_ends_as_an_uninterru
     assert len(reference["train/loss_step"]) == 18 and len(reference["test/acc"]) == 1
 
 
-def test_a_run_stopped_by_sigterm_is_not_complete_and_the_sweep_resumes_it(tmp_path, run_sweep):
-    """Lightning ends a fit on SIGTERM with SystemExit(None), status 0; a sweep took that for a complete run and
-    never ran the rest. ``stability fit`` now exits with 143 and the sweep keeps the run pending."""
-    spec = resumable_sweep(tmp_path)
+def sweeping_past_a_checkpoint(directory: Path, spec: Path) -> tuple[subprocess.Popen, Path]:
+    """The sweep ``spec`` started in the background, once its run has written its first checkpoint."""
     sweep = subprocess.Popen([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
-                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
-    run = tmp_path / "sweeps" / "resumable" / "seed=0"
+    run = directory / "sweeps" / "resumable" / "seed=0"
     deadline = time.time() + 300
     while not (run / "checkpoints" / "last.ckpt").is_file():
         assert time.time() < deadline and sweep.poll() is None, "no checkpoint was written"
         time.sleep(0.05)
+    return sweep, run
+
+
+def test_a_run_stopped_by_sigterm_is_not_complete_and_the_sweep_resumes_it(tmp_path, run_sweep):
+    """Lightning ends a fit on SIGTERM with SystemExit(None), status 0; a sweep took that for a complete run and
+    never ran the rest. ``stability fit`` now exits with 143 and the sweep keeps the run pending."""
+    spec = resumable_sweep(tmp_path)
+    sweep, run = sweeping_past_a_checkpoint(tmp_path, spec)
     fit = subprocess.run(["pgrep", "-P", str(sweep.pid)], capture_output=True, text=True).stdout.split()
     os.kill(int(fit[0]), signal.SIGTERM)  # the run alone, as a scheduler or a user might
     output, _ = sweep.communicate(timeout=300)
@@ -281,14 +287,7 @@ def test_a_sigterm_to_the_sweep_stops_its_fits_at_once(tmp_path):
     seconds, the run kept pending. The sweep used to wait for the fit to end on its own (the thread pool's exit
     waited for its workers before the fits were told to stop)."""
     spec = resumable_sweep(tmp_path)
-    sweep = subprocess.Popen([sys.executable, "-m", "stability", "sweep", str(spec), "--sweeps_dir", "sweeps"],
-                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-    run = tmp_path / "sweeps" / "resumable" / "seed=0"
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "last.ckpt").is_file():
-        assert time.time() < deadline and sweep.poll() is None, "no checkpoint was written"
-        time.sleep(0.05)
+    sweep, run = sweeping_past_a_checkpoint(tmp_path, spec)
     stopped = time.time()
     sweep.send_signal(signal.SIGTERM)
     output, _ = sweep.communicate(timeout=120)
