@@ -35,11 +35,11 @@ from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
 from ..lipschitz.pairs import certified_pair_constants, margin_lower_bound
 from ..nn.spectral import rms_scale, spectral_norms
 from ..robustness.attacks import evaluating, gradients_allowed, input_gradient
-from ..robustness.batch_memory import MEMORY_SHARE, largest_batch, process_memory, unit_bytes
+from ..robustness.batch_memory import largest_batch, unit_bytes
 from ..testing.profiling import saved_for_backward
 from .bounds import exact_certificate
 from .measuring import EpochShare, MeasurementInterrupted, Session, results_path, store_key
-from .points import dataset_of, has_finite_weights, load, measure_batches, point_count
+from .points import dataset_of, has_finite_weights, measure_batches, memory_sized, point_count
 from .precision import float32_network
 
 
@@ -211,19 +211,13 @@ class LipschitzMonitor(L.Callback):
 
     def _memory_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
                       device, stage: tags.Stage) -> int:
-        size = 0
-        if trainer.is_global_zero:
-            images, labels = load(dataset, 0, min(count, 4), device)
+        def size(images: torch.Tensor, labels: torch.Tensor, share: int, memory: int) -> int:
             estimates = [unit_bytes(functools.partial(_saved_by, unit), images, labels)
                          for unit in self._units(network, exact)]
             per_point, fixed = max(e[0] for e in estimates), max(e[1] for e in estimates)
-            memory = process_memory(device, trainer.num_devices)  # each process measures its share of the points
-            copies = COPIES * images[0].numel() * images.element_size()
-            size = largest_batch(per_point, fixed, copies, -(-count // trainer.world_size), memory)
-            rank_zero_info(f"lipschitz ({stage}): {size} points at once (--lipschitz.batch_size memory: "
-                           f"{MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB"
-                           + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")
-        return int(trainer.strategy.broadcast(size, src=0))
+            return largest_batch(per_point, fixed, COPIES * images[0].numel() * images.element_size(), share, memory)
+
+        return memory_sized(trainer, dataset, count, device, size, f"lipschitz ({stage}):", "lipschitz.batch_size")
 
     def _units(self, network: torch.nn.Module, exact: torch.nn.Module | None = None) -> list:
         """The measurements' units of work on a batch, one graph each (the peak is the largest, not their sum): a

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 
+from ..robustness.batch_memory import MEMORY_SHARE, process_memory
 from .measuring import MeasurementInterrupted
 
 if TYPE_CHECKING:
@@ -154,3 +156,20 @@ def has_finite_weights(module: torch.nn.Module) -> bool:
     """False once a run has diverged into inf/NaN weights: there is nothing left to measure (and
     an SVD of such a weight raises)."""
     return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def memory_sized(trainer, dataset, points: int, device, size: Callable[[torch.Tensor, torch.Tensor, int, int], int],
+                 said: str, option: str) -> int:
+    """A measurement's batch sized by memory, decided on rank 0 and broadcast so that every process splits the points
+    alike: ``size(images, labels, points per process, memory)`` on the first 4 points, with each process's share of
+    the points and of the memory (:func:`~stability.robustness.batch_memory.process_memory`); the decision said as
+    ``"<said> N points at once (--<option> memory: …)"``."""
+    chosen = 0
+    if trainer.is_global_zero:
+        images, labels = load(dataset, 0, min(points, 4), device)
+        memory = process_memory(device, trainer.num_devices)
+        chosen = size(images, labels, -(-points // trainer.world_size), memory)
+        rank_zero_info(f"{said} {chosen} points at once (--{option} memory: {MEMORY_SHARE:.0%} of "
+                       f"{memory / 2 ** 30:.3g} GiB"
+                       + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")
+    return int(trainer.strategy.broadcast(chosen, src=0))

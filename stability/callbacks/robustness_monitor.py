@@ -30,7 +30,7 @@ from .. import tags
 from ..robustness import AttackSettings, AttackSpec, certified_at, certified_radii, evaluate_batch, l2_radius, survivors
 from ..robustness.attacks import ATTACKS, accuracies, budget_label, evaluating, worst_case
 from ..robustness.autoattack_cost import autoattack_seconds
-from ..robustness.batch_memory import MEMORY_SHARE, memory_sized_batch, process_memory
+from ..robustness.batch_memory import memory_sized_batch
 from ..robustness.fixed_batch import attacked_network, paid_points
 from .bounds import exact_certificate
 from .measuring import (
@@ -42,7 +42,7 @@ from .measuring import (
     seconds_per_point,
     store_key,
 )
-from .points import dataset_of, has_finite_weights, load, measure_batches, point_count
+from .points import dataset_of, has_finite_weights, load, measure_batches, memory_sized, point_count
 from .precision import float32_network
 
 
@@ -251,16 +251,11 @@ class RobustnessMonitor(L.Callback):
                       option: str, what: str, exact: nn.Module | None = None) -> int:
         """The largest batch of ``points`` whose estimated peak fits the device's memory
         (:func:`~stability.robustness.batch_memory.memory_sized_batch`), decided on rank 0 and broadcast."""
-        size = 0
-        if trainer.is_global_zero:
-            images, labels = load(dataset, 0, min(points, 4), device)
-            memory = process_memory(device, trainer.num_devices)  # each process attacks its share of the points
-            size = memory_sized_batch(network, images, labels, -(-points // trainer.world_size),
-                                      settings.num_classes, memory, exact=exact)
-            rank_zero_info(f"robustness ({stage}): {what} {size} points at once (--robustness.{option} memory: "
-                           f"{MEMORY_SHARE:.0%} of {memory / 2 ** 30:.3g} GiB"
-                           + (f", {trainer.world_size} processes" if trainer.world_size > 1 else "") + ")")
-        return int(trainer.strategy.broadcast(size, src=0))
+        def size(images: torch.Tensor, labels: torch.Tensor, share: int, memory: int) -> int:
+            return memory_sized_batch(network, images, labels, share, settings.num_classes, memory, exact=exact)
+
+        return memory_sized(trainer, dataset, points, device, size, f"robustness ({stage}): {what}",
+                            f"robustness.{option}")
 
     def _say_plan(self, attacked: dict[str, nn.Module], dataset, specs, prefix, count, settings, device,
                   stage: tags.Stage, autoattack_batch: int) -> None:
