@@ -214,3 +214,17 @@ def test_the_hybrid_certifies_through_the_float64_path():
     assert bound.value == pytest.approx(certified_bound(module.network.double())[0].value, rel=1e-9)
     x = torch.rand(1, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     assert float(torch.linalg.matrix_norm(jacobian(exact, x).detach(), ord=2)) <= bound.value
+
+
+def test_the_run_names_only_what_no_constraint_holds():
+    """The stem's AOL weights are 1-Lipschitz for every value, so the run's warning names only the stem's biases and
+    the head, which Muon leaves free with ``layers: hidden`` (GloRo's margin carries the head's rows)."""
+    module = ImageClassifier(backbone="hybrid", image_size=8,
+                             stabilizer=["lipschitz_transformer", "muon", "gloro"],
+                             stabilizer_options={"lipschitz_transformer": {"pooling": "flatten"},
+                                                 "muon": {"constraint": "hard_cap", "layers": "hidden"}})
+    free = module.unconstrained_parameters()
+    assert free and not any(n.endswith("weight") and "patch_embed" in n for n in free)
+    assert {n for n in free if not n.endswith("bias")} == {"backbone.head.weight"}
+    alone = ImageClassifier(backbone="hybrid", image_size=8, stabilizer=["lipschitz_transformer"])
+    assert any(n.endswith("qkv.q.weight") for n in alone.unconstrained_parameters())  # no Muon: the blocks are free

@@ -53,6 +53,7 @@ from ..models import (
     use_convex_residuals,
     vit_tokens,
 )
+from ..nn.aol import AOLConv2d, AOLLinear
 from ..nn.constraints import orthogonal_rms_
 from ..nn.l2_attention import L2MultiHeadAttention
 from ..nn.lipschitz_blocks import (
@@ -216,7 +217,10 @@ class LipschitzTransformer(Stabilizer):
         self._bound_tokens(network.backbone)
 
     def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:
-        return self._tokens(network.backbone)
+        """The tokens (bounded after every step) and the weights of AOL layers (a hybrid's stem): those are
+        1-Lipschitz for every value of their parameter (Prach & Lampert 2022, Theorem 1), so no step can break them."""
+        aol = [m.weight for m in network.modules() if isinstance(m, (AOLConv2d, AOLLinear))]
+        return [*self._tokens(network.backbone), *aol]
 
     def lipschitz_bound(self, network: nn.Module) -> Bound | None:
         """The certified ℓ2 bound of pixels → logits on [0, 1]ⁿ (ViT; None elsewhere)."""
