@@ -252,3 +252,37 @@ def test_sweep_workers_times_the_same_runs_with_k_at_once(tmp_path):
     text = run_benchmark("sweep_workers.py", tmp_path / "workers.md")
     rows = {row[0]: row for row in table_rows(text)}
     assert set(rows) == {"1", "2"} and rows["1"][3] == "1.00" and float(rows["2"][1]) > 0
+
+
+def gpu_session(tmp_path: Path, *parts: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), *parts], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path,
+                          env={**__import__("os").environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "", **env})
+    log = out / "session.log"
+    return done, log.read_text() if log.is_file() else ""
+
+
+def test_gpu_session_refuses_an_unknown_part_naming_the_valid_ones(tmp_path):
+    done, log = gpu_session(tmp_path, "check", "horizons")
+    assert done.returncode == 2 and "unknown part 'horizons'" in log and "start" not in log  # nothing ran
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    defined = sorted(line[len("part_"):line.index("(")] for line in script.splitlines() if line.startswith("part_"))
+    named = sorted(log.split("valid parts are ")[1].strip().split(", "))
+    assert named == defined
+
+
+def test_gpu_session_records_how_each_part_ended_and_goes_on(tmp_path):
+    """A part that fails (no GPU here: gpu_check exits 2) and one cut at its limit (its script replaced by one that hangs, stopped after
+    1 s) are each recorded with their status and seconds; the parts after them still run."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text(f'#!/bin/sh\ncase "$1" in *loop_overhead.py) exec sleep 30;; esac\n'
+                                 f'exec {sys.executable} "$@"\n')
+    (fake / "python").chmod(0o755)
+    done, log = gpu_session(tmp_path, "loop", "check", LIMIT_LOOP="1",
+                            PATH=f"{fake}:{__import__('os').environ['PATH']}")
+    assert done.returncode == 0, done.stderr
+    assert "loop: cut at its limit after" in log
+    assert "check: exit 2 after" in log
+    assert log.rstrip().endswith("done")

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The GPU measurements the suite's open work needs, part by part, most valuable first. Each part runs under its own
+# time limit and writes its table to $OUT as soon as it ends, and session.log says when each started, how it ended
+# (exit status, seconds) and where its output is, so a short lease returns what finished and names what did not.
+#
+#   bash benchmarks/gpu_session.sh                        # the default parts: check, then phases, loop and steps
+#   bash benchmarks/gpu_session.sh phases loop steps      # ≈ 4 min on an H200
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh autoattack
+#
+# Parts (minutes measured on an H200 where known):
+#   check       benchmarks/gpu_check.py --quick: the gpu-marked tests, a fit of every stabilizer, the GPU–CPU
+#               comparison (its README promise: at most 525 s)
+#   phases      the MNIST config's 10 epochs by phase, eager and with CUDA graphs (--model.compile_mode
+#               reduce-overhead) (1.3 min eager on 2026-11-28)
+#   loop        stability fit against the hand-written loop, eager and captured (0.5 min)
+#   steps       every stabilizer's training step, ViT-S at 256 tokens, bf16, eager and compiled (1.6 min eager; compiled: the baseline, qk_norm and JaSMin)
+#   autoattack  the official AutoAttack ℓ2 1.58 on all 10,000 MNIST test images for the published certified
+#               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
+#               MNIST files under data/MNIST/raw
+#   horizon     GloRo's 300 epochs for the 4C3F anchor and the hybrid (configs/lipcnn_mnist.yaml, configs/hybrid_mnist.yaml),
+#               MNIST under data/MNIST/raw; resumes from its last epoch when run again with the same RUNS folder
+#
+# Environment: OUT (default results/benchmarks/gpu_session), LIMIT_<PART> (seconds; defaults below), RUNS (the horizon's
+# run folder, default runs/horizon). Wheels in .whl/ (for a machine without a package index) are installed first.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/benchmarks/gpu_session}
+RUNS=${RUNS:-runs/horizon}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+LOG="$OUT/session.log"
+
+say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+
+# run NAME LIMIT COMMAND…: the command under its limit (SIGINT first, so Python writes what it has; SIGKILL 20 s
+# later); its output goes to the log, its last lines to the screen.
+run() {
+    local name=$1 limit=$2 start status
+    shift 2
+    say "$name: start (limit ${limit} s): $*"
+    start=$(date +%s)
+    timeout -s INT -k 20 "$limit" "$@" >> "$LOG.$name" 2>&1
+    status=$?
+    tail -n 5 "$LOG.$name"
+    cat "$LOG.$name" >> "$LOG" && rm -f "$LOG.$name"
+    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+        say "$name: cut at its limit after $(( $(date +%s) - start )) s"
+    else
+        say "$name: exit $status after $(( $(date +%s) - start )) s"
+    fi
+}
+
+part_check() {
+    run check "${LIMIT_CHECK:-540}" python benchmarks/gpu_check.py --quick --out "$OUT/gpu_check.md"
+}
+
+part_phases() {
+    run phases "${LIMIT_PHASES:-150}" python benchmarks/epoch_phases.py --device cuda --epochs 10 \
+        --out "$OUT/epoch_phases_eager.md"
+    run phases_captured "${LIMIT_PHASES:-150}" python benchmarks/epoch_phases.py --device cuda --epochs 10 \
+        --out "$OUT/epoch_phases_captured.md" -- --model.compile true --model.compile_mode reduce-overhead
+}
+
+part_loop() {
+    run loop "${LIMIT_LOOP:-90}" python benchmarks/loop_overhead.py --device cuda --out "$OUT/loop_overhead.md"
+}
+
+part_steps() {
+    run steps "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small --tokens 256 \
+        --precision bf16 --repeats 3 --compiled "qk_norm;jasmin k=10" --out "$OUT/step_cost.md"
+}
+
+part_autoattack() {
+    run autoattack "${LIMIT_AUTOATTACK:-600}" python -m stability test \
+        --ckpt_path results/certified_transformers/certified_transformer_gloro_100ep.ckpt --data.root data \
+        --run_dir "$OUT/autoattack_run" --lipschitz.every_n_epochs 0 --robustness.test_attacks '[autoattack]' \
+        --robustness.autoattack_eps '[]' --robustness.autoattack_l2_eps '[1.58]' \
+        --robustness.autoattack_num_points 10000 --robustness.autoattack_batch_size memory \
+        --robustness.compile true
+}
+
+part_horizon() {
+    local common=(--trainer.max_epochs 300 --test_after_fit true --timing.enabled true --robustness.every_n_epochs 1
+                  --robustness.num_points 2000 --robustness.attacks '[]' --robustness.test_attacks '[]'
+                  --robustness.certified_radii '[0.5, 1.0, 1.58]' --lipschitz.every_n_epochs 1000
+                  --best_checkpoint certified/acc_L2_1.58 --trainer.enable_progress_bar false)
+    for model in anchor hybrid; do
+        local configs=(--config configs/hybrid_mnist.yaml)
+        [ "$model" = anchor ] && configs=(--config configs/lipcnn_mnist.yaml --config configs/stabilizer/gloro_mnist.yaml)
+        local resume=()
+        [ -f "$RUNS/$model/checkpoints/last.ckpt" ] && resume=(--ckpt_path "$RUNS/$model/checkpoints/last.ckpt")
+        run "horizon_$model" "${LIMIT_HORIZON:-1800}" python -m stability fit "${configs[@]}" "${common[@]}" \
+            --run_dir "$RUNS/$model" "${resume[@]}"
+    done
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(check phases loop steps)
+for part in "${parts[@]}"; do
+    if ! declare -F "part_$part" > /dev/null; then
+        say "unknown part '$part': valid parts are check, phases, loop, steps, autoattack, horizon"
+        exit 2
+    fi
+done
+say "GPU session: parts ${parts[*]}; $(python -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' 2>&1)"
+for part in "${parts[@]}"; do
+    "part_$part"
+done
+say "done"
