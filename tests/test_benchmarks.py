@@ -273,8 +273,8 @@ def test_gpu_session_refuses_an_unknown_part_naming_the_valid_ones(tmp_path):
 
 
 def test_gpu_session_records_how_each_part_ended_and_goes_on(tmp_path):
-    """A part that fails (no GPU here: gpu_check exits 2) and one cut at its limit (its script replaced by one that hangs, stopped after
-    1 s) are each recorded with their status and seconds; the parts after them still run."""
+    """A part that fails (no GPU here: gpu_check exits 2) and one cut at its limit (its script replaced by one that
+    hangs, stopped after 1 s) are each recorded with their status and seconds; the parts after them still run."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "python").write_text(f'#!/bin/sh\ncase "$1" in *loop_overhead.py) exec sleep 30;; esac\n'
