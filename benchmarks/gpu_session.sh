@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU measurements the suite's open work needs, part by part, most valuable first. Each part runs under its own
-# time limit and writes its table to $OUT as soon as it ends, and session.log says when each started, how it ended
+# The GPU measurements the suite's open work needs, part by part, most valuable first. Each command runs under its own
+# time limit (SIGINT, then SIGKILL 20 s later: gpu_check.py and the fits keep what they finished; the other benchmarks
+# write their table only at the end) and writes its table to $OUT as soon as it ends, and session.log says when each started, how it ended
 # (exit status, seconds) and where its output is, so a short lease returns what finished and names what did not.
 #
 #   bash benchmarks/gpu_session.sh                        # the default parts: check, then phases, loop and steps
-#   bash benchmarks/gpu_session.sh phases loop steps      # ≈ 4 min on an H200
+#   bash benchmarks/gpu_session.sh phases loop steps      # ≈ 6 min on an H200 (phases needs MNIST under data/MNIST/raw)
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh autoattack
 #
-# Parts (minutes measured on an H200 where known):
+# Parts (minutes measured on an H200 where known; phases and horizon run two commands, each under the part's limit):
 #   check       benchmarks/gpu_check.py --quick: the gpu-marked tests, a fit of every stabilizer, the GPU–CPU
 #               comparison (its README promise: at most 525 s)
 #   phases      the MNIST config's 10 epochs by phase, eager and with CUDA graphs (--model.compile_mode
@@ -43,7 +44,7 @@ run() {
     shift 2
     say "$name: start (limit ${limit} s): $*"
     start=$(date +%s)
-    timeout -s INT -k 20 "$limit" "$@" >> "$LOG.$name" 2>&1
+    timeout -s INT -k 20 "$limit" "$@" > "$LOG.$name" 2>&1
     status=$?
     tail -n 5 "$LOG.$name"
     cat "$LOG.$name" >> "$LOG" && rm -f "$LOG.$name"
@@ -94,7 +95,7 @@ part_horizon() {
         local resume=()
         [ -f "$RUNS/$model/checkpoints/last.ckpt" ] && resume=(--ckpt_path "$RUNS/$model/checkpoints/last.ckpt")
         run "horizon_$model" "${LIMIT_HORIZON:-1800}" python -m stability fit "${configs[@]}" "${common[@]}" \
-            --run_dir "$RUNS/$model" "${resume[@]}"
+            --run_dir "$RUNS/$model" ${resume[@]+"${resume[@]}"}
     done
 }
 

@@ -221,10 +221,12 @@ def test_the_run_names_only_what_no_constraint_holds():
     the head, which Muon leaves free with ``layers: hidden`` (GloRo's margin carries the head's rows)."""
     module = ImageClassifier(backbone="hybrid", image_size=8,
                              stabilizer=["lipschitz_transformer", "muon", "gloro"],
-                             stabilizer_options={"lipschitz_transformer": {"pooling": "flatten"},
+                             stabilizer_options={"lipschitz_transformer": {"attention": "l2_unit",
+                                                                           "activation": "maxmin",
+                                                                           "pooling": "flatten"},
                                                  "muon": {"constraint": "hard_cap", "layers": "hidden"}})
     free = module.unconstrained_parameters()
-    assert free and not any(n.endswith("weight") and "patch_embed" in n for n in free)
     assert {n for n in free if not n.endswith("bias")} == {"backbone.head.weight"}
+    assert all(n.startswith("backbone.patch_embed.layers.") for n in free if n.endswith("bias"))
     alone = ImageClassifier(backbone="hybrid", image_size=8, stabilizer=["lipschitz_transformer"])
     assert any(n.endswith("qkv.q.weight") for n in alone.unconstrained_parameters())  # no Muon: the blocks are free

@@ -152,7 +152,8 @@ class Stabilizer:
         return {}
 
     def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:
-        """The parameters whose norm this stabilizer bounds after every step."""
+        """The parameters whose norm this stabilizer bounds after every step, or whose layers it keeps 1-Lipschitz for
+        every value (AOL)."""
         return []
 
     def lipschitz_bound(self, network: nn.Module):

@@ -217,8 +217,8 @@ class LipschitzTransformer(Stabilizer):
         self._bound_tokens(network.backbone)
 
     def constrained_parameters(self, network: nn.Module) -> list[nn.Parameter]:
-        """The tokens (bounded after every step) and the weights of AOL layers (a hybrid's stem): those are
-        1-Lipschitz for every value of their parameter (Prach & Lampert 2022, Theorem 1), so no step can break them."""
+        """The tokens (bounded after every step) and the weights of AOL layers (a hybrid's stem): an AOL layer is
+        1-Lipschitz for every value of its weight (Prach & Lampert 2022, Theorems 1–2), so no step can break it."""
         aol = [m.weight for m in network.modules() if isinstance(m, (AOLConv2d, AOLLinear))]
         return [*self._tokens(network.backbone), *aol]
 
