@@ -17,6 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTED = time.time()  # the table says how long its run took
+CUT: list[str] = []  # what an interrupt (SIGINT: Ctrl-C, `timeout -s INT`) left unmeasured; the table says so
 sys.path.insert(0, str(ROOT))
 
 from stability.classifier import ImageClassifier  # noqa: E402
@@ -103,10 +104,18 @@ def interleaved(cases: dict[str, Callable[[], Any]], device: torch.device, repea
         for name in names:
             cases[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            samples[name].append(time_once(cases[name], device))
+    rounds = 0
+    try:
+        for r in range(repeats):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                samples[name].append(time_once(cases[name], device))
+            rounds += 1
+    except KeyboardInterrupt:  # cut at a time limit: keep the rounds every case finished, or nothing
+        if rounds == 0:
+            raise
+        CUT.append(f"interrupted after {rounds} of {repeats} timed rounds: medians of those {rounds}")
+        samples = {name: values[:rounds] for name, values in samples.items()}
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -155,7 +164,9 @@ def write(name: str, args: argparse.Namespace, device: torch.device, title: str,
     out = Path(args.out) if args.out else ROOT / "results" / "benchmarks" / f"{name}_{device.type}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     minutes = (time.time() - STARTED) / 60
-    text = f"# {title}\n\nMade by `{command_line()}` on {environment(device)}, in {minutes:.1f} min.\n\n{body}\n"
+    cut = "".join(f"**Cut short:** {note}.\n\n" for note in CUT)
+    text = (f"# {title}\n\nMade by `{command_line()}` on {environment(device)}, in {minutes:.1f} min.\n\n"
+            f"{cut}{body}\n")
     out.write_text(text)
     print(text)
     print(f"wrote {out}")

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import lightning as L
 import torch
-from common import arguments, markdown, write
+from common import CUT, arguments, markdown, write
 
 STARTED_WALL, STARTED_CPU = time.perf_counter(), time.process_time()
 
@@ -102,7 +102,13 @@ def main() -> None:
     cli.trainer.callbacks.insert(0, clock)
     clock.setup(cli.trainer, cli.model, "fit")  # before Lightning calls any hook: every later one is timed
     clock.setup = lambda *a, **k: None
-    cli.trainer.fit(cli.model, cli.datamodule)
+    try:
+        cli.trainer.fit(cli.model, cli.datamodule)
+    except (KeyboardInterrupt, SystemExit):  # cut at a time limit (Lightning exits on SIGINT): the phases so far
+        CUT.append(f"interrupted during epoch {cli.trainer.current_epoch + 1} of {args.epochs}, in training step "
+                   f"{clock.steps} (or after it): the phases until then")
+    if clock.first_step is None:
+        raise SystemExit("epoch_phases: stopped before the first training step; nothing to write")
     total_wall, total_cpu = time.perf_counter() - STARTED_WALL, time.process_time() - STARTED_CPU
     backward = "training steps: backward, optimizer, projections"
     clock.wall[backward] -= clock.wall[FORWARD]  # the closure's forward ran inside the optimizer step

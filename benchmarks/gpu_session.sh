@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements the suite's open work needs, part by part, most valuable first. Each command runs under its own
-# time limit (SIGINT, then SIGKILL 20 s later: gpu_check.py and the fits keep what they finished; the other benchmarks
-# write their table only at the end) and writes its table to $OUT as soon as it ends, and session.log says when each started, how it ended
-# (exit status, seconds) and where its output is, so a short lease returns what finished and names what did not.
+# time limit (SIGINT, then SIGKILL 20 s later: gpu_check.py and the fits keep what they finished, and the benchmarks
+# write the rows they finished, their table saying where they were cut) and writes its table to $OUT as soon as it
+# ends, and session.log says when each started, how it ended (exit status, seconds) and where its output is, so a short
+# lease returns what finished and names what did not.
 #
 #   bash benchmarks/gpu_session.sh                        # the default parts: check, then phases, loop and steps
 #   bash benchmarks/gpu_session.sh phases loop steps      # ≈ 6 min on an H200 (phases needs MNIST under data/MNIST/raw)
@@ -14,7 +15,8 @@
 #   phases      the MNIST config's 10 epochs by phase, eager and with CUDA graphs (--model.compile_mode
 #               reduce-overhead) (1.3 min eager on 2026-11-28)
 #   loop        stability fit against the hand-written loop, eager and captured (0.5 min)
-#   steps       every stabilizer's training step, ViT-S at 256 tokens, bf16, eager and compiled (1.6 min eager; compiled: the baseline, qk_norm and JaSMin)
+#   steps       every stabilizer's training step, ViT-S at 256 tokens, bf16, eager (1.6 min); then the baseline, qk_norm
+#               and JaSMin eager and compiled (a second command: a cut there keeps the eager table)
 #   autoattack  the official AutoAttack ℓ2 1.58 on all 10,000 MNIST test images for the published certified
 #               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
 #               MNIST files under data/MNIST/raw
@@ -72,7 +74,10 @@ part_loop() {
 
 part_steps() {
     run steps "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small --tokens 256 \
-        --precision bf16 --repeats 3 --compiled "qk_norm;jasmin k=10" --out "$OUT/step_cost.md"
+        --precision bf16 --repeats 3 --out "$OUT/step_cost.md"
+    run steps_compiled "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small \
+        --tokens 256 --precision bf16 --repeats 3 --cases "none;qk_norm;jasmin k=10" --compiled "qk_norm;jasmin k=10" \
+        --out "$OUT/step_cost_compiled.md"
 }
 
 part_autoattack() {

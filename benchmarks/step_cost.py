@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from common import (
+    CUT,
     ROOT,
     arguments,
     build_module,
@@ -185,12 +186,18 @@ def compiled_target(label: str, device: torch.device) -> float | None:
 
 def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.device, repeats: int,
             precision: str, profiled: tuple[str, ...] = (), sections: list[str] | None = None,
-            compiled: tuple[str, ...] = ()) -> list[list]:
+            compiled: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> list[list]:
+    """The rows of one model shape (``only``: those rows, with the rows their ratios are taken against)."""
     image_size, options = geometry(backbone, size, tokens)
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(batch, 3, image_size, image_size, generator=generator).to(device)
     labels = torch.randint(0, 10, (batch,), generator=generator).to(device)
     cases = [c for c in CASES if backbone == "vit" or not c.vit_only]
+    if only:
+        wanted = set(only) | set(compiled) | {"none"}
+        while not {c.reference for c in cases if c.label in wanted} <= wanted:  # references of references
+            wanted |= {c.reference for c in cases if c.label in wanted}
+        cases = [c for c in cases if c.label in wanted]
     def step_of(case: Case, compile: bool = False):
         """The case's module and its training step (as ``--model.compile true`` trains it where ``compile``)."""
         module, optimizer = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
@@ -222,8 +229,9 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
         if label in steps and sections is not None:
             sections.append(f"### {label}: {backbone}:{size}, {tokens} tokens, {precision}\n\n"
                             + operator_table(steps[label], device))
-    capped = modules["spectral_norm project, at the cap"].stabilizers[0]
-    check = sorted(time_once(lambda: capped.check(capped._weights()), device) for _ in range(3))[1]
+    if "spectral_norm project, at the cap" in modules:
+        capped = modules["spectral_norm project, at the cap"].stabilizers[0]
+        check = sorted(time_once(lambda: capped.check(capped._weights()), device) for _ in range(3))[1]
     rows = []
     for case in cases:
         rows.append(row(backbone, size, tokens, precision, case.label, seconds[case.label], seconds[case.reference],
@@ -426,7 +434,8 @@ def main() -> None:
                    help="no timing: count each case's step on the GPU's code path on the CPU and predict its GPU time "
                         "from the model fitted to --measured (default: the H200 table; at its shapes)")
     p.add_argument("--measured", default=str(H200_TABLE), help="a step_cost.py table of GPU times to fit the model to")
-    p.add_argument("--cases", default=None, help="--count: only these rows (labels separated by ';')")
+    p.add_argument("--cases", default=None, help="only these rows (labels separated by ';'), with the rows their "
+                                                  "ratios are taken against")
     p.add_argument("--compiled", default="", help="rows (labels separated by ';') also timed compiled, as "
                                                   "--model.compile true, against the compiled baseline (always added)")
     p.add_argument("--profile", default="", help="rows (labels separated by ';') whose step is also profiled: its "
@@ -459,6 +468,10 @@ def main() -> None:
     unknown = [label for label in profiled if label not in {c.label for c in CASES}]
     if unknown:
         raise SystemExit(f"--profile {unknown}: choose from {[c.label for c in CASES]}")
+    only = tuple(label for label in (args.cases or "").split(";") if label)
+    unknown = [label for label in only if label not in {c.label for c in CASES}]
+    if unknown:
+        raise SystemExit(f"--cases {unknown}: choose from {[c.label for c in CASES]}")
     compiled = tuple(dict.fromkeys(["none"] + [label for label in args.compiled.split(";") if label])) \
         if args.compiled else ()
     unknown = [label for label in compiled if label not in {c.label for c in CASES}]
@@ -470,11 +483,20 @@ def main() -> None:
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     models = [(entry.partition(":")[0], size) for entry in args.backbones.split(",")
               for size in ([entry.partition(":")[2]] if ":" in entry else args.sizes.split(","))]
-    for precision in precisions:
-        for backbone, size in models:
-            for tokens in (int(t) for t in args.tokens.split(",")):
-                rows += measure(backbone, size, tokens, args.batch, device, args.repeats, precision, profiled,
-                                sections, compiled)
+    shapes = [(precision, backbone, size, int(tokens)) for precision in precisions for backbone, size in models
+              for tokens in args.tokens.split(",")]
+    for done, (precision, backbone, size, tokens) in enumerate(shapes):
+        try:
+            rows += measure(backbone, size, tokens, args.batch, device, args.repeats, precision, profiled,
+                            sections, compiled, only)
+        except KeyboardInterrupt:  # cut before every row of this shape had one timed step: its rows are dropped
+            CUT.append(f"interrupted while building or warming up {backbone}:{size}, {tokens} tokens, {precision} "
+                       f"(no row of it)")
+        if CUT:  # the time limit came: write what finished, name what did not
+            left = [f"{b}:{z}, {t} tokens, {p}" for p, b, z, t in shapes[done + 1:]]
+            if left:
+                CUT.append("not measured: " + "; ".join(left))
+            break
     header = ["backbone", "size", "tokens", "precision", "stabilizer", "ms / step", "time ratio", "target", "verdict",
               f"memory MiB ({memory_label(device)})", "memory ratio"]
     body = (f"Batch {args.batch}, median of {args.repeats} interleaved steps after 2 warm-up rounds; ratios to the "

@@ -286,3 +286,116 @@ def test_gpu_session_records_how_each_part_ended_and_goes_on(tmp_path):
     assert "loop: cut at its limit after" in log
     assert "check: exit 2 after" in log
     assert log.rstrip().endswith("done")
+
+
+@pytest.fixture
+def benchmark_modules(monkeypatch):
+    """The benchmark scripts importable in this process, with the interrupt notes and the SIGINT handler restored."""
+    import signal
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import common
+    monkeypatch.setattr(common, "CUT", common.CUT)
+    common.CUT.clear()
+    handler = signal.getsignal(signal.SIGINT)
+    yield common
+    common.CUT.clear()
+    signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after it caught one
+
+
+def scripted(values):
+    """A timed case whose n-th call takes values[n] seconds; an exception in values is raised at that call."""
+    calls = iter(values)
+    def case():
+        value = next(calls)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+    return case
+
+
+def test_an_interrupt_keeps_the_timed_rounds_every_case_finished(benchmark_modules, monkeypatch):
+    """Cut in the third round, after case a's third sample: the medians are of the two whole rounds (a's 100 s from the
+    cut round dropped: with it, a's median would be 2), and the table says it was cut; cut in the first, nothing."""
+    common = benchmark_modules
+    monkeypatch.setattr(common, "time_once", lambda fn, device: fn())
+    cases = {"a": scripted([0, 1.0, 2.0, 100.0]), "b": scripted([0, 1.0, 2.0, KeyboardInterrupt()])}
+    medians = common.interleaved(cases, "cpu", repeats=5, warmup=1)
+    assert medians == {"a": 1.5, "b": 1.5}
+    assert common.CUT == ["interrupted after 2 of 5 timed rounds: medians of those 2"]
+    out = common.write("cut", __import__("argparse").Namespace(out=str(ROOT / "build" / "cut_test.md")), "cpu", "T", "")
+    assert "**Cut short:** interrupted after 2 of 5" in out.read_text()
+    out.unlink()
+    with pytest.raises(KeyboardInterrupt):
+        common.interleaved({"a": scripted([0, KeyboardInterrupt()])}, "cpu", repeats=5, warmup=1)
+
+
+def test_step_cost_cut_at_its_limit_writes_the_shapes_it_finished(benchmark_modules, monkeypatch, tmp_path):
+    import step_cost
+    def measure(backbone, size, tokens, *rest):
+        if tokens == 256:
+            raise KeyboardInterrupt
+        return [[backbone, size, tokens, "fp32", "none", 1.0, "1.00×", "", "", 1.0, "1.00×"]]
+    monkeypatch.setattr(step_cost, "measure", measure)
+    out = tmp_path / "step.md"
+    monkeypatch.setattr(sys, "argv", ["step_cost.py", "--backbones", "vit:micro", "--tokens", "16,256,64",
+                                      "--out", str(out)])
+    step_cost.main()
+    text = out.read_text()
+    assert [row[2] for row in table_rows(text)] == ["16"]
+    assert "interrupted while building or warming up vit:micro, 256 tokens, fp32" in text
+    assert "not measured: vit:micro, 64 tokens, fp32" in text
+
+
+def test_loop_overhead_cut_at_its_limit_writes_the_loops_it_timed(benchmark_modules, monkeypatch, tmp_path):
+    import types
+
+    import loop_overhead
+    data = types.SimpleNamespace(datamodule=types.SimpleNamespace(batch_size=8))
+    monkeypatch.setattr(loop_overhead, "build", lambda *a: data)
+    monkeypatch.setattr(loop_overhead, "time_stability_fit", lambda *a: 2.0)
+    monkeypatch.setattr(loop_overhead, "time_hand_written", lambda *a: (1.0, None))
+    def cut(*a):
+        raise SystemExit(1)  # what Lightning does with a SIGINT
+    monkeypatch.setattr(loop_overhead, "time_captured", cut)
+    out = tmp_path / "loop.md"
+    monkeypatch.setattr(sys, "argv", ["loop_overhead.py", "--steps", "10", "--out", str(out)])
+    loop_overhead.main()
+    text = out.read_text()
+    rows = {row[0]: row for row in table_rows(text)}
+    assert sorted(rows) == ["hand-written loop (AdamW)", "stability fit (default callbacks)"]
+    assert rows["stability fit (default callbacks)"][3] == "0.50" and rows["hand-written loop (AdamW)"][4] == "—"
+    assert "interrupted while timing the captured loop" in text and "not every loop was timed" in text
+
+
+def test_epoch_phases_cut_during_the_fit_writes_the_phases_so_far(benchmark_modules, monkeypatch, tmp_path):
+    """A real fit interrupted as its third training step starts (Lightning catches the KeyboardInterrupt and exits): the
+    table has the start-up and the steps so far, and says where it was cut."""
+    import epoch_phases
+    import lightning as L
+
+    class Interrupt(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                raise KeyboardInterrupt
+
+    class CLI(epoch_phases.StabilityCLI):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.trainer.callbacks.append(Interrupt())
+
+    monkeypatch.setattr(epoch_phases, "StabilityCLI", CLI)
+    out = tmp_path / "phases.md"
+    monkeypatch.setattr(sys, "argv", ["epoch_phases.py", "--config", "configs/vit_digits.yaml", "--epochs", "3",
+                                      "--out", str(out), "--",
+                                      "--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"])
+    monkeypatch.chdir(ROOT)
+    epoch_phases.main()
+    text = out.read_text()
+    assert "interrupted during epoch 1 of 3, in training step 3 (or after it)" in text
+    assert float({row[0]: row for row in table_rows(text)}["training steps: forward and loss"][1]) > 0
+
+
+def test_step_cost_refuses_an_unknown_case_naming_the_valid_ones():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_cost.py"), "--quick", "--cases",
+                           "qk_norm;qknorm"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode != 0 and "--cases ['qknorm']: choose from" in done.stderr and "'qk_norm'" in done.stderr
