@@ -20,11 +20,14 @@
 #   autoattack  the official AutoAttack ℓ2 1.58 on all 10,000 MNIST test images for the published certified
 #               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
 #               MNIST files under data/MNIST/raw
+#   wide        the hybrid at the anchor's size (embed_dim 248: 1.98 M parameters) on the 60-epoch schedule, the study
+#               configs/experiments/mnist/certified_hybrid.yaml's run of it (MNIST under data/MNIST/raw; resumes
+#               from its last epoch when run again with the same RUNS folder)
 #   horizon     GloRo's 300 epochs for the 4C3F anchor and the hybrid (configs/lipcnn_mnist.yaml, configs/hybrid_mnist.yaml),
 #               MNIST under data/MNIST/raw; resumes from its last epoch when run again with the same RUNS folder
 #
-# Environment: OUT (default results/benchmarks/gpu_session), LIMIT_<PART> (seconds; defaults below), RUNS (the horizon's
-# run folder, default runs/horizon). Wheels in .whl/ (for a machine without a package index) are installed first.
+# Environment: OUT (default results/benchmarks/gpu_session), LIMIT_<PART> (seconds; defaults below), RUNS (the run
+# folder of wide and horizon, default runs/horizon). Wheels in .whl/ (for a machine without a package index) are installed first.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/benchmarks/gpu_session}
@@ -89,6 +92,10 @@ part_autoattack() {
         --robustness.compile true
 }
 
+part_wide() {
+    run wide "${LIMIT_WIDE:-1800}" python -m stability sweep configs/experiments/mnist/certified_hybrid.yaml \
+        --sweeps_dir "$RUNS" --workers 1 --only 'model.backbone_options=embed_dim-248,trainer.max_epochs=60,seed=0'
+}
 part_horizon() {
     local common=(--trainer.max_epochs 300 --test_after_fit true --timing.enabled true --robustness.every_n_epochs 1
                   --robustness.num_points 2000 --robustness.attacks '[]' --robustness.test_attacks '[]'
@@ -108,7 +115,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(check phases loop steps)
 for part in "${parts[@]}"; do
     if ! declare -F "part_$part" > /dev/null; then
-        say "unknown part '$part': valid parts are check, phases, loop, steps, autoattack, horizon"
+        say "unknown part '$part': valid parts are check, phases, loop, steps, autoattack, wide, horizon"
         exit 2
     fi
 done
