@@ -96,9 +96,10 @@ def time_once(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def interleaved(cases: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
-                warmup: int = 2) -> dict[str, float]:
+                warmup: int = 2, keep_cut_rounds: bool = False) -> dict[str, float]:
     """Median seconds per call of each case; the cases take turns (the order rotating every round)
-    so that drifts of the machine hit all of them alike."""
+    so that drifts of the machine hit all of them alike. With ``keep_cut_rounds``, an interrupt (SIGINT) after
+    at least one whole round returns the medians of the whole rounds and notes the cut in :data:`CUT`."""
     names = list(cases)
     for _ in range(warmup):
         for name in names:
@@ -112,7 +113,7 @@ def interleaved(cases: dict[str, Callable[[], Any]], device: torch.device, repea
                 samples[name].append(time_once(cases[name], device))
             rounds += 1
     except KeyboardInterrupt:  # cut at a time limit: keep the rounds every case finished, or nothing
-        if rounds == 0:
+        if rounds == 0 or not keep_cut_rounds:
             raise
         CUT.append(f"interrupted after {rounds} of {repeats} timed rounds: medians of those {rounds}")
         samples = {name: values[:rounds] for name, values in samples.items()}

@@ -104,11 +104,13 @@ def main() -> None:
     clock.setup = lambda *a, **k: None
     try:
         cli.trainer.fit(cli.model, cli.datamodule)
-    except (KeyboardInterrupt, SystemExit):  # cut at a time limit (Lightning exits on SIGINT): the phases so far
-        CUT.append(f"interrupted during epoch {cli.trainer.current_epoch + 1} of {args.epochs}, in training step "
-                   f"{clock.steps} (or after it): the phases until then")
-    if clock.first_step is None:
-        raise SystemExit("epoch_phases: stopped before the first training step; nothing to write")
+    except (KeyboardInterrupt, SystemExit) as cut:  # cut at a time limit (Lightning exits on SIGINT)
+        if isinstance(cut, SystemExit) and not cli.trainer.interrupted:
+            raise
+        if clock.first_step is None:
+            raise SystemExit("epoch_phases: interrupted before the first training step; nothing written") from None
+        CUT.append(f"interrupted during epoch {min(cli.trainer.current_epoch + 1, args.epochs)} of {args.epochs}, "
+                   f"in the run's training step {clock.steps} (or after it): the phases until then")
     total_wall, total_cpu = time.perf_counter() - STARTED_WALL, time.process_time() - STARTED_CPU
     backward = "training steps: backward, optimizer, projections"
     clock.wall[backward] -= clock.wall[FORWARD]  # the closure's forward ran inside the optimizer step
@@ -128,6 +130,8 @@ def main() -> None:
             f"(callbacks: each one's hooks, the measurements at the end of an epoch and at test among them).\n\n"
             + markdown(["phase", "wall s", "CPU s", "share of wall"], rows))
     write("epoch_phases", args, device, "A fit, by phase", body)
+    if CUT:
+        raise SystemExit(130)  # the table holds what finished; the exit status says it was cut
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 # lease returns what finished and names what did not.
 #
 #   bash benchmarks/gpu_session.sh                        # the default parts: check, then phases, loop and steps
-#   bash benchmarks/gpu_session.sh phases loop steps      # ≈ 6 min on an H200 (phases needs MNIST under data/MNIST/raw)
+#   bash benchmarks/gpu_session.sh phases loop steps      # ≈ 7 min on an H200 (phases needs MNIST under data/MNIST/raw)
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh autoattack
 #
 # Parts (minutes measured on an H200 where known; phases and horizon run two commands, each under the part's limit):
@@ -21,13 +21,15 @@
 #               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
 #               MNIST files under data/MNIST/raw
 #   wide        the hybrid at the anchor's size (embed_dim 248: 1.98 M parameters) on the 60-epoch schedule, the study
-#               configs/experiments/mnist/certified_hybrid.yaml's run of it (MNIST under data/MNIST/raw; resumes
-#               from its last epoch when run again with the same RUNS folder)
+#               configs/experiments/mnist/certified_hybrid.yaml's run of it (MNIST under data/MNIST/raw)
 #   horizon     GloRo's 300 epochs for the 4C3F anchor and the hybrid (configs/lipcnn_mnist.yaml, configs/hybrid_mnist.yaml),
-#               MNIST under data/MNIST/raw; resumes from its last epoch when run again with the same RUNS folder
+#               MNIST under data/MNIST/raw
+# A run of wide or horizon cut at its limit resumes from its last epoch when the part runs again on the same machine
+# with the same RUNS folder (its checkpoints do not come back from a lent machine); each run's logs, events and results
+# come back as $OUT/<part>.tar.gz after every command.
 #
-# Environment: OUT (default results/benchmarks/gpu_session), LIMIT_<PART> (seconds; defaults below), RUNS (the run
-# folder of wide and horizon, default runs/horizon). Wheels in .whl/ (for a machine without a package index) are installed first.
+# Environment: OUT (default results/benchmarks/gpu_session), LIMIT_<PART> (seconds; defaults below, each command of a
+# part under one 10-minute device call), RUNS (the run folder of wide and horizon, default runs/horizon). Wheels in .whl/ (for a machine without a package index) are installed first.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/benchmarks/gpu_session}
@@ -92,9 +94,17 @@ part_autoattack() {
         --robustness.compile true
 }
 
+# pack NAME DIR: DIR's logs, events and results (no checkpoints: too large to come back from a lent machine) as
+# $OUT/NAME.tar.gz, one file, so that a run's results leave the machine even when its folder cannot.
+pack() {
+    [ -d "$2" ] && tar czf "$OUT/$1.tar.gz" --exclude='*.ckpt' --exclude=measurements -C "$2" . \
+        && say "$1: its run folder without checkpoints is $OUT/$1.tar.gz"
+}
+
 part_wide() {
-    run wide "${LIMIT_WIDE:-1800}" python -m stability sweep configs/experiments/mnist/certified_hybrid.yaml \
+    run wide "${LIMIT_WIDE:-540}" python -m stability sweep configs/experiments/mnist/certified_hybrid.yaml \
         --sweeps_dir "$RUNS" --workers 1 --only 'model.backbone_options=embed_dim-248,trainer.max_epochs=60,seed=0'
+    pack wide "$RUNS/certified_hybrid/model.backbone_options=embed_dim-248,trainer.max_epochs=60,seed=0"
 }
 part_horizon() {
     local common=(--trainer.max_epochs 300 --test_after_fit true --timing.enabled true --robustness.every_n_epochs 1
@@ -106,8 +116,9 @@ part_horizon() {
         [ "$model" = anchor ] && configs=(--config configs/lipcnn_mnist.yaml --config configs/stabilizer/gloro_mnist.yaml)
         local resume=()
         [ -f "$RUNS/$model/checkpoints/last.ckpt" ] && resume=(--ckpt_path "$RUNS/$model/checkpoints/last.ckpt")
-        run "horizon_$model" "${LIMIT_HORIZON:-1800}" python -m stability fit "${configs[@]}" "${common[@]}" \
+        run "horizon_$model" "${LIMIT_HORIZON:-270}" python -m stability fit "${configs[@]}" "${common[@]}" \
             --run_dir "$RUNS/$model" ${resume[@]+"${resume[@]}"}
+        pack "horizon_$model" "$RUNS/$model"
     done
 }
 

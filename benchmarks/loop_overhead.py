@@ -258,10 +258,18 @@ def main() -> None:
         for name, timed in loops.items():
             try:
                 seconds[name] = timed()
-            except (KeyboardInterrupt, SystemExit):  # cut at a time limit (Lightning exits on SIGINT)
-                CUT.append(f"interrupted while timing {NAMES[name]}; not timed: "
-                           + ", ".join(NAMES[n] for n in loops if n not in seconds))
+            except (KeyboardInterrupt, SystemExit) as cut:  # cut at a time limit (Lightning exits on SIGINT)
+                if isinstance(cut, SystemExit) and not (name == "fit" and cli.trainer.interrupted):
+                    raise
+                later = [NAMES[n] for n in loops if n not in seconds and n != name]
+                CUT.append(f"interrupted while timing {NAMES[name]}"
+                           + (f"; not timed: {', '.join(later)}" if later else ""))
                 break
+            if seconds[name] <= 0:  # the loop ended before its last timed step (e.g. a too short data set)
+                raise SystemExit(f"{NAMES[name]} ended before step {args.warmup + args.steps}: lower --steps or "
+                                 f"--warmup")
+    if not seconds:
+        raise SystemExit("loop_overhead: interrupted before any loop was timed; nothing written")
     captured = "captured as one CUDA graph" if device.type == "cuda" else "its static-buffer step, eager on the CPU"
     labels = {"hand": "hand-written loop (AdamW" + (", fused" if device.type == "cuda" else "") + ")",
               "captured": f"hand-written loop, {captured}", "fit": "stability fit (default callbacks)"}
@@ -269,14 +277,16 @@ def main() -> None:
         return f"{seconds[of] / seconds[name]:.2f}" if of in seconds else "—"
     rows = [[labels[name], 1000 * seconds[name] / args.steps, batch * args.steps / seconds[name], share("hand", name),
              share("captured", name)] for name in ("hand", "captured", "fit") if name in seconds]
-    summary = (f"stability fit reaches {100 * seconds['hand'] / seconds['fit']:.0f}% of the hand-written loop's "
-               f"images/s and {100 * seconds['captured'] / seconds['fit']:.0f}% of the captured one's"
-               if len(seconds) == len(loops) else "not every loop was timed")
+    summary = "; ".join(f"stability fit reaches {100 * seconds[n] / seconds['fit']:.0f}% of the {what} images/s"
+                        for n, what in (("hand", "hand-written loop's"), ("captured", "captured loop's"))
+                        if "fit" in seconds and n in seconds) or "stability fit was not timed against a loop"
     body = (f"`{args.config}`, batch {batch}, {precision}, {args.steps} steps after {args.warmup}; "
             f"{summary} (target ≥ 90% of the captured loop).\n\n"
             + markdown(["loop", "ms / step", "images / s", "share of the hand-written loop",
                         "share of the captured loop"], rows))
     write("loop_overhead", args, device, "Training-loop overhead", body)
+    if CUT:
+        raise SystemExit(130)  # the table holds what finished; the exit status says it was cut
 
 
 if __name__ == "__main__":

@@ -119,6 +119,17 @@ CASES = [
 CHECK_EVERY = 100  # spectral_norm's default check_every
 
 
+def selected(cases: list[Case], only: tuple[str, ...], compiled: tuple[str, ...] = ()) -> list[Case]:
+    """``cases`` restricted to ``only`` (all where empty) and the compiled rows, with the rows their ratios are taken
+    against (references of references included)."""
+    if not only:
+        return cases
+    wanted = set(only) | set(compiled) | {"none"}
+    while not {c.reference for c in cases if c.label in wanted} <= wanted:
+        wanted |= {c.reference for c in cases if c.label in wanted}
+    return [c for c in cases if c.label in wanted]
+
+
 def geometry(backbone: str, size: str, tokens: int) -> tuple[int, dict]:
     """Image size giving ``tokens`` first-stage tokens, and window / stripe options that fit it."""
     side = math.isqrt(tokens)
@@ -192,12 +203,7 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(batch, 3, image_size, image_size, generator=generator).to(device)
     labels = torch.randint(0, 10, (batch,), generator=generator).to(device)
-    cases = [c for c in CASES if backbone == "vit" or not c.vit_only]
-    if only:
-        wanted = set(only) | set(compiled) | {"none"}
-        while not {c.reference for c in cases if c.label in wanted} <= wanted:  # references of references
-            wanted |= {c.reference for c in cases if c.label in wanted}
-        cases = [c for c in cases if c.label in wanted]
+    cases = selected([c for c in CASES if backbone == "vit" or not c.vit_only], only, compiled)
     def step_of(case: Case, compile: bool = False):
         """The case's module and its training step (as ``--model.compile true`` trains it where ``compile``)."""
         module, optimizer = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
@@ -224,7 +230,7 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
             continue
         steps[label]()  # compiles
         memory[label] = peak_memory(steps[label], device) if device.type == "cuda" else float("nan")
-    seconds = interleaved(steps, device, repeats)
+    seconds = interleaved(steps, device, repeats, keep_cut_rounds=True)
     for label in profiled:
         if label in steps and sections is not None:
             sections.append(f"### {label}: {backbone}:{size}, {tokens} tokens, {precision}\n\n"
@@ -386,7 +392,7 @@ def count_main(args, precision: str) -> None:
     if backbone != "vit":
         raise SystemExit("--count: the model is counted on the ViT (the H200 table's backbone)")
     tokens = int(args.tokens.split(",")[0])
-    cases = [c for c in CASES if not args.cases or c.label in args.cases.split(";")]
+    cases = selected(CASES, tuple(label for label in (args.cases or "").split(";") if label))
     cache = Path(args.out).with_suffix(".json") if args.out else None
     key = f"{backbone}:{size}:{tokens}:{args.batch}:{precision}"
     saved = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
@@ -444,6 +450,11 @@ def main() -> None:
     p.add_argument("--fit_counts", default=None, help="--count: fit the model to these counts (a <out>.json of the "
                                                       "code the GPU table measured) and predict the current code's")
     args = p.parse_args()
+    labels = {c.label for c in CASES}
+    for option in ("cases", "compiled", "profile"):  # before the device: a typo fails here, not on the GPU
+        unknown = [label for label in (getattr(args, option) or "").split(";") if label and label not in labels]
+        if unknown:
+            raise SystemExit(f"--{option} {unknown}: choose from {[c.label for c in CASES]}")
     if args.count:
         setup(args)
         args.backbones = args.backbones if args.backbones != "vit,swin,cswin" else "vit:small"
@@ -465,18 +476,9 @@ def main() -> None:
         args.backbones, args.sizes, args.tokens, args.batch, args.repeats = "vit:micro", "micro", "16", 2, 1
     rows, sections = [], []
     profiled = tuple(label for label in args.profile.split(";") if label)
-    unknown = [label for label in profiled if label not in {c.label for c in CASES}]
-    if unknown:
-        raise SystemExit(f"--profile {unknown}: choose from {[c.label for c in CASES]}")
     only = tuple(label for label in (args.cases or "").split(";") if label)
-    unknown = [label for label in only if label not in {c.label for c in CASES}]
-    if unknown:
-        raise SystemExit(f"--cases {unknown}: choose from {[c.label for c in CASES]}")
     compiled = tuple(dict.fromkeys(["none"] + [label for label in args.compiled.split(";") if label])) \
         if args.compiled else ()
-    unknown = [label for label in compiled if label not in {c.label for c in CASES}]
-    if unknown:
-        raise SystemExit(f"--compiled {unknown}: choose from {[c.label for c in CASES]}")
     if compiled:  # every compiled row is the network's forward compiled again: never fall back to eager silently
         torch._dynamo.config.recompile_limit = 1024
         torch._dynamo.config.accumulated_recompile_limit = 4096
@@ -486,12 +488,14 @@ def main() -> None:
     shapes = [(precision, backbone, size, int(tokens)) for precision in precisions for backbone, size in models
               for tokens in args.tokens.split(",")]
     for done, (precision, backbone, size, tokens) in enumerate(shapes):
+        shape, notes, profiles = f"{backbone}:{size}, {tokens} tokens, {precision}", len(CUT), len(sections)
         try:
             rows += measure(backbone, size, tokens, args.batch, device, args.repeats, precision, profiled,
                             sections, compiled, only)
-        except KeyboardInterrupt:  # cut before every row of this shape had one timed step: its rows are dropped
-            CUT.append(f"interrupted while building or warming up {backbone}:{size}, {tokens} tokens, {precision} "
-                       f"(no row of it)")
+        except KeyboardInterrupt:  # cut before its rows were complete: the shape is dropped
+            CUT.append(f"interrupted while measuring {shape}, before its rows were complete (no row of it)")
+            del sections[profiles:]
+        CUT[notes:] = [note if shape in note else f"{shape}: {note}" for note in CUT[notes:]]
         if CUT:  # the time limit came: write what finished, name what did not
             left = [f"{b}:{z}, {t} tokens, {p}" for p, b, z, t in shapes[done + 1:]]
             if left:
@@ -506,7 +510,11 @@ def main() -> None:
             + ("." if device.type == "cuda" else " (CPU keeps no allocator peak), each storage once.")
             + "\n\n" + markdown(header, rows)
             + ("\n\n## Where the profiled rows' time goes\n\n" + "\n\n".join(sections) if sections else ""))
+    if not rows:
+        raise SystemExit("step_cost: interrupted before any row was measured; nothing written")
     write("step_cost", args, device, "Training-step cost per stabilizer", body)
+    if CUT:
+        raise SystemExit(130)  # the table holds what finished; the exit status says it was cut
 
 
 if __name__ == "__main__":

@@ -294,7 +294,6 @@ def benchmark_modules(monkeypatch):
     import signal
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import common
-    monkeypatch.setattr(common, "CUT", common.CUT)
     common.CUT.clear()
     handler = signal.getsignal(signal.SIGINT)
     yield common
@@ -313,63 +312,140 @@ def scripted(values):
     return case
 
 
-def test_an_interrupt_keeps_the_timed_rounds_every_case_finished(benchmark_modules, monkeypatch):
+def cut_main(main) -> int:
+    """A benchmark's main, which must end with a status, never with an escaped interrupt (pytest would stop)."""
+    try:
+        main()
+    except SystemExit as done:
+        return done.code
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped the benchmark")
+    return 0
+
+
+def test_an_interrupt_keeps_the_timed_rounds_every_case_finished(benchmark_modules, monkeypatch, tmp_path):
     """Cut in the third round, after case a's third sample: the medians are of the two whole rounds (a's 100 s from the
-    cut round dropped: with it, a's median would be 2), and the table says it was cut; cut in the first, nothing."""
+    cut round dropped: with it, a's median would be 2), and the table says it was cut. Cut in the first round, or
+    without keep_cut_rounds, the interrupt goes on."""
     common = benchmark_modules
     monkeypatch.setattr(common, "time_once", lambda fn, device: fn())
-    cases = {"a": scripted([0, 1.0, 2.0, 100.0]), "b": scripted([0, 1.0, 2.0, KeyboardInterrupt()])}
-    medians = common.interleaved(cases, "cpu", repeats=5, warmup=1)
+    def cases(b_third):
+        return {"a": scripted([0, 1.0, 2.0, 100.0]), "b": scripted([0, 1.0, 2.0, b_third])}
+    try:
+        medians = common.interleaved(cases(KeyboardInterrupt()), "cpu", repeats=5, warmup=1, keep_cut_rounds=True)
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped after two whole rounds")
     assert medians == {"a": 1.5, "b": 1.5}
     assert common.CUT == ["interrupted after 2 of 5 timed rounds: medians of those 2"]
-    out = common.write("cut", __import__("argparse").Namespace(out=str(ROOT / "build" / "cut_test.md")), "cpu", "T", "")
+    out = common.write("cut", __import__("argparse").Namespace(out=str(tmp_path / "cut.md")), "cpu", "T", "")
     assert "**Cut short:** interrupted after 2 of 5" in out.read_text()
-    out.unlink()
     with pytest.raises(KeyboardInterrupt):
-        common.interleaved({"a": scripted([0, KeyboardInterrupt()])}, "cpu", repeats=5, warmup=1)
+        common.interleaved(cases(KeyboardInterrupt()), "cpu", repeats=5, warmup=1)
+    with pytest.raises(KeyboardInterrupt):
+        common.interleaved({"a": scripted([0, KeyboardInterrupt()])}, "cpu", repeats=5, warmup=1, keep_cut_rounds=True)
 
 
-def test_step_cost_cut_at_its_limit_writes_the_shapes_it_finished(benchmark_modules, monkeypatch, tmp_path):
+@pytest.mark.parametrize("where", ["timing", "building"])
+def test_step_cost_cut_at_its_limit_writes_the_shapes_it_finished(benchmark_modules, monkeypatch, tmp_path, where):
+    """Three shapes; the second is cut while it is timed (interleaved keeps its whole rounds and notes the cut) or
+    while it is built (no row of it). Its rows are kept in the first case only; the third shape is never measured;
+    the exit status is 130."""
     import step_cost
     def measure(backbone, size, tokens, *rest):
         if tokens == 256:
-            raise KeyboardInterrupt
+            if where == "building":
+                raise KeyboardInterrupt
+            benchmark_modules.CUT.append("interrupted after 1 of 3 timed rounds: medians of those 1")
         return [[backbone, size, tokens, "fp32", "none", 1.0, "1.00×", "", "", 1.0, "1.00×"]]
     monkeypatch.setattr(step_cost, "measure", measure)
     out = tmp_path / "step.md"
     monkeypatch.setattr(sys, "argv", ["step_cost.py", "--backbones", "vit:micro", "--tokens", "16,256,64",
                                       "--out", str(out)])
-    step_cost.main()
+    assert cut_main(step_cost.main) == 130
     text = out.read_text()
-    assert [row[2] for row in table_rows(text)] == ["16"]
-    assert "interrupted while building or warming up vit:micro, 256 tokens, fp32" in text
+    assert [row[2] for row in table_rows(text)] == (["16", "256"] if where == "timing" else ["16"])
+    notes = {"timing": "vit:micro, 256 tokens, fp32: interrupted after 1 of 3 timed rounds",
+             "building": "interrupted while measuring vit:micro, 256 tokens, fp32, before its rows were complete"}
+    assert notes[where] in text
     assert "not measured: vit:micro, 64 tokens, fp32" in text
 
 
-def test_loop_overhead_cut_at_its_limit_writes_the_loops_it_timed(benchmark_modules, monkeypatch, tmp_path):
+def test_step_cost_writes_nothing_when_cut_before_any_row(benchmark_modules, monkeypatch, tmp_path):
+    """An earlier table is not replaced by an empty one."""
+    import step_cost
+    def measure(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(step_cost, "measure", measure)
+    out = tmp_path / "step.md"
+    out.write_text("an earlier table")
+    monkeypatch.setattr(sys, "argv", ["step_cost.py", "--backbones", "vit:micro", "--tokens", "16", "--out", str(out)])
+    assert "nothing written" in str(cut_main(step_cost.main))
+    assert out.read_text() == "an earlier table"
+
+
+def test_step_cost_cases_bring_the_rows_their_ratios_need():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_cost import CASES, selected
+    labels = [c.label for c in selected(CASES, ("muon soft_cap", "lipschitz_transformer + muon + gloro"))]
+    assert labels == ["none", "muon (no constraint)", "muon soft_cap", "lipschitz_transformer + muon hard_cap",
+                      "lipschitz_transformer + muon + gloro"]
+    assert [c.label for c in selected(CASES, ("qk_norm",), ("none", "jasmin k=10"))] == ["none", "jasmin k=10",
+                                                                                           "qk_norm"]
+    assert selected(CASES, ()) == CASES
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, "lightning"])
+def test_loop_overhead_cut_at_its_limit_writes_the_loops_it_timed(benchmark_modules, monkeypatch, tmp_path, interrupt):
+    """Cut while the captured loop is timed (a KeyboardInterrupt in a plain loop), or while the fit is timed (Lightning
+    turns the interrupt into SystemExit, the trainer marked interrupted): the loops timed before are written."""
     import types
 
     import loop_overhead
-    data = types.SimpleNamespace(datamodule=types.SimpleNamespace(batch_size=8))
+    trainer = types.SimpleNamespace(interrupted=False)
+    data = types.SimpleNamespace(datamodule=types.SimpleNamespace(batch_size=8), trainer=trainer)
     monkeypatch.setattr(loop_overhead, "build", lambda *a: data)
-    monkeypatch.setattr(loop_overhead, "time_stability_fit", lambda *a: 2.0)
+    def fit(*a):
+        if interrupt == "lightning":
+            trainer.interrupted = True
+            raise SystemExit(1)
+        return 2.0
+    def captured(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop_overhead, "time_stability_fit", fit)
     monkeypatch.setattr(loop_overhead, "time_hand_written", lambda *a: (1.0, None))
-    def cut(*a):
-        raise SystemExit(1)  # what Lightning does with a SIGINT
-    monkeypatch.setattr(loop_overhead, "time_captured", cut)
+    monkeypatch.setattr(loop_overhead, "time_captured", captured)
     out = tmp_path / "loop.md"
     monkeypatch.setattr(sys, "argv", ["loop_overhead.py", "--steps", "10", "--out", str(out)])
-    loop_overhead.main()
+    status = cut_main(loop_overhead.main)
+    if interrupt == "lightning":  # cut in the first loop: nothing to write
+        assert "nothing written" in str(status) and not out.exists()
+        return
+    assert status == 130
     text = out.read_text()
     rows = {row[0]: row for row in table_rows(text)}
     assert sorted(rows) == ["hand-written loop (AdamW)", "stability fit (default callbacks)"]
     assert rows["stability fit (default callbacks)"][3] == "0.50" and rows["hand-written loop (AdamW)"][4] == "—"
-    assert "interrupted while timing the captured loop" in text and "not every loop was timed" in text
+    assert "interrupted while timing the captured loop" in text
+    assert "stability fit reaches 50% of the hand-written loop's images/s" in text
+
+
+def test_loop_overhead_passes_on_an_exit_that_is_not_a_cut(benchmark_modules, monkeypatch, tmp_path):
+    import types
+
+    import loop_overhead
+    data = types.SimpleNamespace(datamodule=types.SimpleNamespace(batch_size=8),
+                                 trainer=types.SimpleNamespace(interrupted=False))
+    monkeypatch.setattr(loop_overhead, "build", lambda *a: data)
+    def fit(*a):
+        raise SystemExit("a failed fit")
+    monkeypatch.setattr(loop_overhead, "time_stability_fit", fit)
+    monkeypatch.setattr(sys, "argv", ["loop_overhead.py", "--out", str(tmp_path / "loop.md")])
+    assert cut_main(loop_overhead.main) == "a failed fit" and not (tmp_path / "loop.md").exists()
 
 
 def test_epoch_phases_cut_during_the_fit_writes_the_phases_so_far(benchmark_modules, monkeypatch, tmp_path):
-    """A real fit interrupted as its third training step starts (Lightning catches the KeyboardInterrupt and exits): the
-    table has the start-up and the steps so far, and says where it was cut."""
+    """A real fit interrupted as its third training step starts (Lightning catches the KeyboardInterrupt and exits):
+    the table has the start-up and the steps so far, and says where it was cut."""
     import epoch_phases
     import lightning as L
 
@@ -384,18 +460,38 @@ def test_epoch_phases_cut_during_the_fit_writes_the_phases_so_far(benchmark_modu
             self.trainer.callbacks.append(Interrupt())
 
     monkeypatch.setattr(epoch_phases, "StabilityCLI", CLI)
+    monkeypatch.setattr(epoch_phases.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "run"))
     out = tmp_path / "phases.md"
     monkeypatch.setattr(sys, "argv", ["epoch_phases.py", "--config", "configs/vit_digits.yaml", "--epochs", "3",
                                       "--out", str(out), "--",
                                       "--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"])
     monkeypatch.chdir(ROOT)
-    epoch_phases.main()
+    assert cut_main(epoch_phases.main) == 130
     text = out.read_text()
-    assert "interrupted during epoch 1 of 3, in training step 3 (or after it)" in text
+    assert "interrupted during epoch 1 of 3, in the run's training step 3 (or after it)" in text
     assert float({row[0]: row for row in table_rows(text)}["training steps: forward and loss"][1]) > 0
+
+
+def test_a_real_sigint_cuts_step_cost_to_the_rounds_it_timed(tmp_path):
+    """The whole path: SIGINT (as `timeout -s INT` sends it) while the rows are timed, and the table is written."""
+    import signal
+    import time
+    out = tmp_path / "step.md"
+    process = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "step_cost.py"), "--backbones", "vit:micro",
+                                "--tokens", "16,64", "--batch", "2", "--cases", "qk_norm", "--repeats", "1000000",
+                                "--out", str(out)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(20)  # built and warmed up in a few seconds; then timing
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    text = out.read_text()
+    assert [row[4] for row in table_rows(text)] == ["none", "qk_norm"]
+    assert "timed rounds: medians of those" in text and "not measured: vit:micro, 64 tokens, fp32" in text
 
 
 def test_step_cost_refuses_an_unknown_case_naming_the_valid_ones():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_cost.py"), "--quick", "--cases",
-                           "qk_norm;qknorm"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "qk_norm;qknorm", "--device", "cuda:99"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert done.returncode != 0 and "--cases ['qknorm']: choose from" in done.stderr and "'qk_norm'" in done.stderr
