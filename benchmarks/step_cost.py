@@ -230,6 +230,8 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
             continue
         steps[label]()  # compiles
         memory[label] = peak_memory(steps[label], device) if device.type == "cuda" else float("nan")
+    print(f"{backbone}:{size}, {tokens} tokens, {precision}: timing {len(steps)} steps over {repeats} rounds",
+          flush=True)
     seconds = interleaved(steps, device, repeats, keep_cut_rounds=True)
     for label in profiled:
         if label in steps and sections is not None:

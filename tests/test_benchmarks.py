@@ -473,7 +473,8 @@ def test_epoch_phases_cut_during_the_fit_writes_the_phases_so_far(benchmark_modu
 
 
 def test_a_real_sigint_cuts_step_cost_to_the_rounds_it_timed(tmp_path):
-    """The whole path: SIGINT (as `timeout -s INT` sends it) while the rows are timed, and the table is written."""
+    """The whole path: SIGINT (as `timeout -s INT` sends it) while the rows are timed (the script says when it starts
+    timing), and the table is written."""
     import signal
     import time
     out = tmp_path / "step.md"
@@ -481,7 +482,10 @@ def test_a_real_sigint_cuts_step_cost_to_the_rounds_it_timed(tmp_path):
                                 "--tokens", "16,64", "--batch", "2", "--cases", "qk_norm", "--repeats", "1000000",
                                 "--out", str(out)],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(20)  # built and warmed up in a few seconds; then timing
+    for line in process.stdout:  # built and warmed up: the timing begins
+        if "timing" in line:
+            break
+    time.sleep(3)  # whole rounds of two micro steps
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr[-2000:]
