@@ -482,12 +482,15 @@ def test_a_real_sigint_cuts_step_cost_to_the_rounds_it_timed(tmp_path):
                                 "--tokens", "16,64", "--batch", "2", "--cases", "qk_norm", "--repeats", "1000000",
                                 "--out", str(out)],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in process.stdout:  # built and warmed up: the timing begins
-        if "timing" in line:
-            break
-    time.sleep(3)  # whole rounds of two micro steps
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=120)
+    try:
+        for line in process.stdout:  # built and warmed up: the timing begins
+            if "timing" in line:
+                break
+        time.sleep(3)  # whole rounds of two micro steps
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()  # never left behind, whatever failed
     assert process.returncode == 130, stderr[-2000:]
     text = out.read_text()
     assert [row[4] for row in table_rows(text)] == ["none", "qk_norm"]
