@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 STARTED = time.time()  # the table says how long its run took
 CUT: list[str] = []  # what an interrupt (SIGINT: Ctrl-C, `timeout -s INT`) left unmeasured; the table says so
+# a cut reaches Python even where the launcher ignores SIGINT (a script's background job, a pytest-xdist worker)
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, str(ROOT))
 
 from stability.classifier import ImageClassifier  # noqa: E402
