@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_session.sh phases loop steps      # ≈ 7 min on an H200 (phases needs MNIST under data/MNIST/raw)
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh autoattack
 #
-# Parts (minutes measured on an H200 where known; phases and horizon run two commands, each under the part's limit):
+# Parts (minutes measured on an H200 where known; phases, steps and horizon run two commands, each under the part's
+# limit):
 #   check       benchmarks/gpu_check.py --quick: the gpu-marked tests, a fit of every stabilizer, the GPU–CPU
 #               comparison (its README promise: at most 525 s)
 #   phases      the MNIST config's 10 epochs by phase, eager and with CUDA graphs (--model.compile_mode
@@ -29,7 +30,8 @@
 # come back as $OUT/<part>.tar.gz after every command.
 #
 # Environment: OUT (default results/benchmarks/gpu_session), LIMIT_<PART> (seconds; defaults below, each command of a
-# part under one 10-minute device call), RUNS (the run folder of wide and horizon, default runs/horizon). Wheels in .whl/ (for a machine without a package index) are installed first.
+# part under one 10-minute device call), RUNS (the run folder of wide and horizon, default runs/horizon). Wheels in
+# .whl/ (for a machine without a package index) are installed first.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/benchmarks/gpu_session}

@@ -119,6 +119,11 @@ CASES = [
 CHECK_EVERY = 100  # spectral_norm's default check_every
 
 
+def label_list(text: str | None) -> tuple[str, ...]:
+    """Row labels given as ``"a;b"`` (an option's value; None or empty: none)."""
+    return tuple(label for label in (text or "").split(";") if label)
+
+
 def selected(cases: list[Case], only: tuple[str, ...], compiled: tuple[str, ...] = ()) -> list[Case]:
     """``cases`` restricted to ``only`` (all where empty) and the compiled rows, with the rows their ratios are taken
     against (references of references included)."""
@@ -394,7 +399,7 @@ def count_main(args, precision: str) -> None:
     if backbone != "vit":
         raise SystemExit("--count: the model is counted on the ViT (the H200 table's backbone)")
     tokens = int(args.tokens.split(",")[0])
-    cases = selected(CASES, tuple(label for label in (args.cases or "").split(";") if label))
+    cases = selected(CASES, label_list(args.cases))
     cache = Path(args.out).with_suffix(".json") if args.out else None
     key = f"{backbone}:{size}:{tokens}:{args.batch}:{precision}"
     saved = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
@@ -454,7 +459,7 @@ def main() -> None:
     args = p.parse_args()
     labels = {c.label for c in CASES}
     for option in ("cases", "compiled", "profile"):  # before the device: a typo fails here, not on the GPU
-        unknown = [label for label in (getattr(args, option) or "").split(";") if label and label not in labels]
+        unknown = [label for label in label_list(getattr(args, option)) if label not in labels]
         if unknown:
             raise SystemExit(f"--{option} {unknown}: choose from {[c.label for c in CASES]}")
     if args.count:
@@ -477,9 +482,8 @@ def main() -> None:
     if args.quick:
         args.backbones, args.sizes, args.tokens, args.batch, args.repeats = "vit:micro", "micro", "16", 2, 1
     rows, sections = [], []
-    profiled = tuple(label for label in args.profile.split(";") if label)
-    only = tuple(label for label in (args.cases or "").split(";") if label)
-    compiled = tuple(dict.fromkeys(["none"] + [label for label in args.compiled.split(";") if label])) \
+    profiled, only = label_list(args.profile), label_list(args.cases)
+    compiled = tuple(dict.fromkeys(("none", *label_list(args.compiled)))) \
         if args.compiled else ()
     if compiled:  # every compiled row is the network's forward compiled again: never fall back to eager silently
         torch._dynamo.config.recompile_limit = 1024
