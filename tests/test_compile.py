@@ -149,3 +149,47 @@ def test_a_fit_with_a_compile_mode_runs_its_callbacks(monkeypatch, tmp_path, tin
               "--trainer.accumulate_grad_batches", "2", "--model.compile", "true", "--model.compile_mode",
               "reduce-overhead"])
     assert "accumulate_grad_batches 2 keeps between steps" in capsys.readouterr().err
+
+
+COMPILED_CASES = [  # (backbone, image size, options, stabilizers): every stabilizer that compiles, each backbone
+    *[("vit", 8, TINY, [name]) for name in
+      ("none", "qk_norm", "softcap", "lipsformer", "jasmin", "sigma_reparam", "specformer", "spectral_norm", "muon",
+       "z_loss", "tau_ce", "lipschitz_transformer")],
+    *[("vit", 8, TINY, ["lipschitz_transformer", "muon", loss]) for loss in ("gloro", "emma", "lipschitz_margin")],
+    ("hybrid", 8, {}, ["lipschitz_transformer", "muon", "gloro"]),
+    ("lipcnn", 8, {}, ["gloro"]),
+    ("swin", 16, {}, ["qk_norm"]), ("swin", 16, {}, ["sigma_reparam"]),
+    ("cswin", 16, {}, ["none"]), ("cswin", 16, {}, ["lipsformer"]),
+]
+
+
+@pytest.mark.parametrize("backbone, size, options, stabilizers", COMPILED_CASES,
+                         ids=[f"{c[0]}-{'+'.join(c[3])}" for c in COMPILED_CASES])
+def test_a_compiled_training_step_has_no_graph_break_and_one_graph_for_every_batch_size(
+        monkeypatch, backbone, size, options, stabilizers):
+    """The compiled network of a training step is one graph, without a break, for every stabilizer and backbone, and
+    batches of 8, 5 and 3 (an epoch's last batch, a measurement's) do not compile it again. Graph breaks and
+    recompilations are Dynamo's decisions, the same for every backend: the test traces with the ``eager`` backend,
+    which skips Inductor's code generation. (Before LePE's taps, CSwin compiled again for a batch of 5.)"""
+    real_compile = torch.compile
+    compiled = []
+
+    def traced(model, mode=None, **options):  # the bound's composition asks for fullgraph=True, dynamic=False
+        compiled.append(real_compile(model, backend="eager", **options))
+        return compiled[-1]
+
+    monkeypatch.setattr(torch, "compile", traced)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    torch.manual_seed(0)
+    module = ImageClassifier(backbone=backbone, image_size=size, backbone_options=options, stabilizer=stabilizers,
+                             compile=True).train()
+    images = torch.rand(8, 1, size, size)
+    for batch in (8, 5, 3):
+        _, terms = module.losses(images[:batch], torch.zeros(batch, dtype=torch.long))
+        sum(terms.values()).backward()
+    new_breaks = {reason[:200]: n for reason, n in counters["graph_break"].items()}
+    assert sum(counters["graph_break"].values()) == breaks, new_breaks
+    # one graph per compiled function: the network, and the certified losses' bound where they compile it
+    assert counters["stats"]["unique_graphs"] - graphs == len(compiled) >= 1

@@ -186,3 +186,38 @@ def test_cswin_forward_and_clear_errors():
                          stripe_widths=(1, 1, 1, 1))
     with pytest.raises(ValueError, match="one entry per stage"):
         CSWinTransformer(img_size=16, patch_size=2, depths=(1, 1), num_heads=(2,), stripe_widths=(1, 1))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_lepe_taps_equal_the_depthwise_convolution(bias):
+    """The nine shifted products LePE computes when compiled are F.conv2d's cross-correlation (padding 1, one group
+    per channel): values and gradients in float64 to 1e-12, on a non-square map; a kernel read transposed differs."""
+    from stability.models.cswin import depthwise_conv3x3_taps
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(5, 1, 3, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    ours = depthwise_conv3x3_taps(x, w, b)
+    reference = F.conv2d(x, w, b, padding=1, groups=5)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
+    inputs = [t for t in (x, w, b) if t is not None]
+    cotangent = torch.randn(ours.shape, dtype=torch.float64, generator=g)
+    for a, r in zip(torch.autograd.grad(ours, inputs, cotangent), torch.autograd.grad(reference, inputs, cotangent)):
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+    transposed = depthwise_conv3x3_taps(x, w.transpose(-1, -2), b)
+    assert (transposed - reference).abs().max() > 1e-2
+
+
+def test_lepe_keeps_the_convolution_eager_and_in_the_input_dtype():
+    """Eager, LePE is the convolution itself; its compiled form runs in the input's dtype (bf16 under autocast, as
+    the convolution does) and matches it to bf16's rounding."""
+    from stability.models.cswin import LePEConv, depthwise_conv3x3_taps
+
+    torch.manual_seed(0)
+    conv = LePEConv(4)
+    x = torch.randn(2, 4, 3, 5)
+    assert torch.equal(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1, groups=4))
+    low = depthwise_conv3x3_taps(x.bfloat16(), conv.weight, conv.bias)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), conv(x), rtol=2e-2, atol=2e-2)

@@ -38,6 +38,35 @@ def from_stripes(x: torch.Tensor, height: int, width: int, h: int, w: int) -> to
     return x.reshape(-1, h, w, c)
 
 
+class LePEConv(nn.Conv2d):
+    """LePE's depthwise 3×3 convolution (stride 1, padding 1), an ``nn.Conv2d`` with its parameters.
+
+    Eager, it is one ``F.conv2d``. Compiled, it is the same cross-correlation written as nine shifted products,
+    out[c, y, x] = b[c] + Σᵢⱼ w[c, 0, i, j] · x̃[c, y + i, x + j] (x̃ zero-padded by one), which the compiler fuses
+    into one kernel: torch's choice of a depthwise-convolution backend reads the batch size, so a compiled
+    ``F.conv2d`` here compiled the network again for batch sizes in another range (an epoch's last batch, a
+    measurement's). The products run in the input's dtype, as the convolution does under autocast.
+    """
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels, channels, 3, padding=1, groups=channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return super().forward(x)
+        return depthwise_conv3x3_taps(x, self.weight, self.bias)
+
+
+def depthwise_conv3x3_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, padding=1, groups=C)`` for (N, C, H, W) x and (C, 1, 3, 3) weight, as nine
+    shifted elementwise products (no convolution backend to choose)."""
+    h, w = x.shape[-2:]
+    weight = weight.to(x.dtype)
+    padded = F.pad(x, (1, 1, 1, 1))
+    out = sum(weight[:, 0, i, j, None, None] * padded[..., i:i + h, j:j + w] for i in range(3) for j in range(3))
+    return out if bias is None else out + bias.to(x.dtype)[:, None, None]
+
+
 class CrossShapedAttention(nn.Module):
     """Cross-shaped window attention with LePE on a (B, H, W, C) feature map.
 
@@ -71,8 +100,7 @@ class CrossShapedAttention(nn.Module):
             self.stripes = [(resolution, stripe_width), (stripe_width, resolution)]
         branch_dim = dim // len(self.stripes)
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.lepe = nn.ModuleList(
-            nn.Conv2d(branch_dim, branch_dim, 3, padding=1, groups=branch_dim) for _ in self.stripes)
+        self.lepe = nn.ModuleList(LePEConv(branch_dim) for _ in self.stripes)
         self.softmax = nn.Softmax(dim=-1)  # a module, so that its input (the logits) can be observed
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
