@@ -12,8 +12,14 @@ model trained for ``--train_epochs`` first (attacks stop early on points already
 untrained model would flatter them; AutoAttack at ε = 2/255, where most points resist, its costly
 case). Target: the local estimate costs ≤ 2 × iterations + 1 training steps per batch of points. ``--compile`` adds
 the attacks through the network compiled at the batch's shape (``--robustness.compile``), compiled before timing.
+
+``--count`` counts instead of timing (stability/testing/gpu_model.py): the kernel-launching operators and the reads
+back to the host of each measurement per point, on points measured one at a time and in one batch of ``--batch``.
+On a GPU a small network's measurement is launch-bound, so the ratio of the two is what batching saves there.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from common import arguments, build_module, digits, interleaved, markdown, setup, train_epochs, train_step, write
@@ -23,6 +29,7 @@ from stability.lipschitz.attention import attention_diagnostics
 from stability.lipschitz.certified import certified_bound
 from stability.robustness import AttackSpec, certified_radii, robust_accuracy
 from stability.robustness.fixed_batch import attacked_network
+from stability.testing.gpu_model import count
 
 
 def main() -> None:
@@ -35,6 +42,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true",
                    help="also FGSM, PGD-10 and the official AutoAttack through the network compiled at the batch's "
                         "shape (--robustness.compile; compiled before timing)")
+    p.add_argument("--count", action="store_true",
+                   help="count launches and host reads per point, one point at a time and batched (no timing)")
+    p.add_argument("--count_points", type=int, default=4, help="--count: points measured one at a time")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="of the training step the measurements are compared with (they run in float32 either way)")
     args = p.parse_args()
@@ -60,23 +70,16 @@ def main() -> None:
         return lambda: robust_accuracy(through, images[:points], labels[:points], [spec], 10, pgd_steps=steps,
                                        batch_size=args.batch)
 
-    def certified_accuracy():
-        bound, _ = certified_bound(transformer.network)
-        with torch.no_grad():
-            return certified_radii(transformer.network(images), labels, bound)
+    if args.count:
+        write("measurement_cost", args, device, "Launches per measured point, one at a time and batched",
+              count_table(network, transformer.network, images, labels, args))
+        return
 
-    cases = {
-        "training step": lambda: train_step(module, optimizer, images, labels, args.precision),
-        "local Lipschitz, power, 1 iteration": lambda: jacobian_norm(network, images, 1),
-        f"local Lipschitz, power, {iters} iterations": lambda: jacobian_norm(network, images, iters),
-        "local Lipschitz, exact (one VJP per logit)": lambda: jacobian_norm(network, images, method="exact"),
-        "empirical lower bound (10 ascent steps)": lambda: empirical_lower_bound(network, images),
-        "certified bound (Lipschitz-transformer ViT)": lambda: certified_bound(transformer.network),
-        "certified accuracy (bound + radii)": certified_accuracy,
-        "attention diagnostics (16 points)": lambda: attention_diagnostics(network, images[:16]),
-        "FGSM": attack("fgsm", args.batch),
-        "PGD-10": attack("pgd", args.batch),
-    }
+    cases = {"training step": lambda: train_step(module, optimizer, images, labels, args.precision)}
+    cases.update({name: (lambda f=f: f(images, labels)) for name, f in
+                  measurements(network, transformer.network, iters, args.batch).items()})
+    cases.pop("attention diagnostics")
+    cases["attention diagnostics (16 points)"] = lambda: attention_diagnostics(network, images[:16])
     if compiled is not None:
         network.eval()
         compiled.warm_up(images)  # the compilation is paid once per run, not timed here
@@ -121,6 +124,62 @@ def main() -> None:
             + markdown(["measurement", "ms", "points", "ms / point", "points / s", "× training step",
                         "step-equivalents / point", "target"], rows))
     write("measurement_cost", args, device, "Cost of each measurement", body)
+
+
+def measurements(network: torch.nn.Module, transformer: torch.nn.Module, iterations: int,
+                 batch: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
+    """Each measurement of the points (x, y), as the monitors call it (the certified ones on the Lipschitz-transformer
+    ViT ``transformer``; attacks ℓ∞ 8/255 in batches of ``batch``)."""
+    def attack(name: str, steps: int = 10):
+        spec = AttackSpec(name, "Linf", 8 / 255)
+        return lambda x, y: robust_accuracy(network, x, y, [spec], 10, pgd_steps=steps, batch_size=batch)
+
+    def certified_accuracy(x, y):
+        bound, _ = certified_bound(transformer)
+        with torch.no_grad():
+            return certified_radii(transformer(x), y, bound)
+
+    return {
+        "local Lipschitz, power, 1 iteration": lambda x, y: jacobian_norm(network, x, 1),
+        f"local Lipschitz, power, {iterations} iterations": lambda x, y: jacobian_norm(network, x, iterations),
+        "local Lipschitz, exact (one VJP per logit)": lambda x, y: jacobian_norm(network, x, method="exact"),
+        "empirical lower bound (10 ascent steps)": lambda x, y: empirical_lower_bound(network, x),
+        "certified bound (Lipschitz-transformer ViT)": lambda x, y: certified_bound(transformer),
+        "certified accuracy (bound + radii)": certified_accuracy,
+        "attention diagnostics": lambda x, y: attention_diagnostics(network, x),
+        "FGSM": attack("fgsm"),
+        "PGD-10": attack("pgd"),
+    }
+
+
+def count_table(network: torch.nn.Module, transformer: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                args) -> str:
+    """Launches and host reads per point of each measurement: the first ``--count_points`` points one at a time,
+    and the first ``--batch`` points in one call. The certified bound reads no points: its row is per call."""
+    network.eval()
+    alone = args.count_points
+    rows = []
+    for name, measure in measurements(network, transformer, args.iterations, args.batch).items():
+        single = [count(lambda i=i, f=measure: f(images[i:i + 1], labels[i:i + 1])) for i in range(alone)]
+        batched = count(lambda f=measure: f(images, labels))
+        per_point = sum(c.launches for c in single) / alone
+        reads = sum(c.syncs for c in single) / alone
+        if name.startswith("certified bound"):  # per call: the bound does not read the points
+            rows.append([name, f"{per_point:.0f}", f"{reads:.0f}", f"{batched.launches:.0f}",
+                         f"{batched.syncs:.0f}", "1.0 (per call)"])
+            continue
+        rows.append([name, f"{per_point:.0f}", f"{reads:.1f}", f"{batched.launches / len(images):.1f}",
+                     f"{batched.syncs / len(images):.2f}", f"{per_point / (batched.launches / len(images)):.1f}"])
+    return (f"Micro ViT at {images.shape[-1]}×{images.shape[-1]} ({args.tokens} tokens), trained {args.train_epochs} "
+            f"epochs on digits, float32, eval mode; each measurement counted on the CPU by the operators that launch a "
+            f"kernel on a GPU (views and allocations not counted) and the reads back to the host (`.item()`, "
+            f"`.tolist()`, nonzero, …): per point on {alone} points one at a time, and per point on {len(images)} "
+            f"points in one call (attacks in batches of {args.batch}). `fewer launches` is the ratio of the two, what "
+            f"batching saves where launches set the time. Attacks stop early on misclassified points, so a point's "
+            f"count depends on the model.\n\n"
+            + markdown(["measurement", "launches / point, one at a time", "host reads / point, one at a time",
+                        f"launches / point, batch of {len(images)}", f"host reads / point, batch of {len(images)}",
+                        "fewer launches"], rows))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,21 @@ def test_measurement_cost_relates_every_measurement_to_a_training_step(tmp_path)
             "attention diagnostics (16 points)"} <= set(rows)
 
 
+def test_measurement_cost_counts_the_launches_batching_saves(tmp_path):
+    """``--count``: each measurement's launches per point, one at a time and in one batch of 4. A measurement whose
+    launches do not grow with its batch saves nearly the batch's size; a batched call that looped over its points
+    would save nothing and fail."""
+    text = run_benchmark("measurement_cost.py", tmp_path / "count.md", "--count")
+    rows = {row[0]: row for row in table_rows(text)}
+    assert rows["certified bound (Lipschitz-transformer ViT)"][5] == "1.0 (per call)"
+    pointwise = [name for name in rows if not name.startswith("certified bound")]
+    assert {"FGSM", "PGD-10", "local Lipschitz, power, 2 iterations", "attention diagnostics"} <= set(pointwise)
+    for name in pointwise:
+        one, batched = float(rows[name][1]), float(rows[name][3])
+        assert batched > 0 and float(rows[name][5]) == pytest.approx(one / batched, rel=0.05), name
+        assert 3.0 <= float(rows[name][5]) <= 4.0, name  # at most the batch's size
+
+
 def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path):
     text = run_benchmark("loop_overhead.py", tmp_path / "loop.md")
     rows = {row[0]: row for row in table_rows(text)}
