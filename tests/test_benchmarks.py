@@ -100,6 +100,42 @@ def test_measurement_cost_counts_the_launches_batching_saves(tmp_path):
         assert 3.0 <= float(rows[name][5]) <= 4.0, name  # at most the batch's size
 
 
+def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
+    """``compiled_kernels.py``: the compiled network's forward and backward launch fewer operators than the eager
+    network's (Inductor fuses the elementwise ones), and the compiled step is that plus what stays eager."""
+    text = run_benchmark("compiled_kernels.py", tmp_path / "compiled.md")
+    rows = {row[0]: row for row in table_rows(text)}
+    assert set(rows) == {"none", "qk_norm"} and rows["none"][6] == "1.00×" and rows["qk_norm"][6].endswith("×")
+    for row in rows.values():
+        step, network, compiled, outside, compiled_step = map(float, row[1:6])
+        assert 0 < compiled < network and outside == step - network > 0 and compiled_step == compiled + outside
+    assert float(rows["qk_norm"][3]) > float(rows["none"][3])  # its norms are kernels of their own
+
+
+def test_compiled_kernels_reads_the_launches_of_generated_code(benchmark_modules):
+    """Kernels, library calls and ATen fallbacks count; allocations, views, deletions and the returned tuple do not."""
+    from compiled_kernels import wrapper_launches
+
+    source = """
+def call(self, args):
+    primals_1, primals_2 = args
+    args.clear()
+    buf0 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+    extern_kernels.mm(primals_1, primals_2, out=buf0)
+    buf1 = reinterpret_tensor(buf0, (32, ), (1, ), 0); del buf0
+    cpp_fused_gelu_0(buf1, primals_1)
+    buf2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(buf1, buf1, buf1)
+    buf3 = torch.ops.aten.view.default(buf1, [4, 8])
+    triton_poi_fused_add_1.run(buf1, buf3, 32, stream=stream0)
+    return (buf1, buf2, )
+
+
+def benchmark_compiled_module(times=10, repeat=10):
+    cpp_fused_gelu_0(None)
+"""
+    assert wrapper_launches(source) == 4
+
+
 def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path):
     text = run_benchmark("loop_overhead.py", tmp_path / "loop.md")
     rows = {row[0]: row for row in table_rows(text)}

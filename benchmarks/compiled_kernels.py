@@ -1,0 +1,163 @@
+"""The compiled step's launches, counted on the CPU: the proxy for ``step_cost.py``'s compiled column.
+
+    python benchmarks/compiled_kernels.py                 # ViT-S (12 blocks), bf16, every ViT row of step_cost
+    python benchmarks/compiled_kernels.py --cases "none;qk_norm;jasmin k=10"
+
+``--model.compile true`` compiles the network: its forward and backward become the statements of Inductor's
+generated code that launch — its own kernels (the CPU's C++ ones standing in for a GPU's Triton ones: the fusion
+decisions are largely the same) and the library calls it keeps (matrix products, fused attention), counted in the
+code itself. The stabilizers' terms, the optimizer and the projections stay eager. So a compiled step launches
+
+    the compiled network's launches + (the eager step's launches − the eager network's)
+
+counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at 1 and 2
+blocks and extrapolated to the preset's depth (each count is affine in depth; the kernels do not depend on the
+batch: its dimension is dynamic). Where a GPU is host-bound, as small models are, launches set the time: the ratio
+to the compiled baseline is then the compiled column's ratio. Where the GPU is busy it is not: bytes and FLOPs
+change little by compiling.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch._inductor.config as inductor_config
+from common import arguments, build_module, markdown, setup, train_step, write
+from step_cost import CASES, geometry, label_list, put_weights_at_the_cap, selected
+from torch._inductor.graph import GraphLowering
+
+from stability.models.registry import PRESETS
+from stability.testing.gpu_model import count, cuda_path
+
+DEPTHS = (1, 2)
+BATCH = 4
+# a statement of Inductor's generated wrapper that launches: a generated kernel (C++ here, Triton on a GPU), a
+# library call (extern_kernels.mm, …) or an ATen operator it falls back to
+LAUNCH = re.compile(r"^\s*(?:\w+\s*=\s*)?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|torch\.ops\.aten\.\w+"
+                    r"(?:\.\w+)?|aten\.\w+(?:\.\w+)?)\(", re.M)
+NO_LAUNCH = ("aten.view", "aten.reshape", "aten.as_strided", "aten.permute", "aten.expand")
+
+
+def wrapper_launches(source: str) -> int:
+    """The launching statements in the ``call`` function of one of Inductor's generated modules."""
+    body = source[source.index("def call("):]
+    body = body[:body.index("\n\n\n")] if "\n\n\n" in body else body
+    return sum(1 for name in LAUNCH.findall(body) if not name.replace("torch.ops.", "").startswith(NO_LAUNCH))
+
+
+@contextlib.contextmanager
+def generated_modules() -> Iterator[list[str]]:
+    """The source of every module Inductor generates inside the block (its caches off, so nothing is skipped)."""
+    sources: list[str] = []
+    original = GraphLowering.compile_to_module
+
+    def recording(self):
+        module = original(self)
+        sources.append(Path(module.__file__).read_text())
+        return module
+
+    with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
+            mock.patch.object(GraphLowering, "compile_to_module", recording):
+        yield sources
+
+
+def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[str, float | None]:
+    """One training step of ``case`` at ``depth`` blocks, on the GPU's code path: the eager step's launches and the
+    eager network's (forward and backward), and the launches of the compiled network's forward and backward (None
+    where the stabilizer refuses to train compiled)."""
+    image_size, options = geometry("vit", size, tokens)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(BATCH, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(0, 10, (BATCH,), generator=generator)
+    backbone_options = {**options, **(case.backbone_options or {}), "depth": depth}
+    result: dict[str, float | None] = {}
+    for compile in (False, True):
+        try:
+            module, _ = build_module("vit", size, case.stabilizer, case.options, image_size=image_size,
+                                     device=torch.device("cpu"), backbone_options=backbone_options, compile=compile)
+        except ValueError as refusal:
+            if compile and "cannot train compiled" in str(refusal):
+                return {**result, "compiled": None}
+            raise
+        if case.at_cap:
+            put_weights_at_the_cap(module)
+        with cuda_path(module):
+            if compile:
+                torch._dynamo.reset()
+                with generated_modules() as sources:
+                    network_pass(module, images, precision, compiled=True)
+                result["compiled"] = sum(wrapper_launches(source) for source in sources)
+                continue
+            optimizer = module.build_optimizer()
+            train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
+            step = count(lambda m=module, o=optimizer: train_step(m, o, images, labels, precision, 2))
+            result["step"] = step.launches
+            module.zero_grad(set_to_none=True)  # as a step starts: no gradients to accumulate into
+            result["network"] = count(lambda m=module: network_pass(m, images, precision)).launches
+    return result
+
+
+def network_pass(module, images: torch.Tensor, precision: str, compiled: bool = False) -> None:
+    """The network's forward and backward alone (``compiled``: through the graph a compiled step trains)."""
+    network = module._training_network(images) if compiled else module.network
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+        out = network(images)
+    logits = out[0] if isinstance(out, tuple) else out  # JaSMin's compiled graph also returns queries and keys
+    logits.float().sum().backward()
+
+
+def main() -> None:
+    p = arguments(__doc__.split("\n")[0])
+    p.add_argument("--size", default="small", help="ViT preset (its depth is the one extrapolated to)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens of the counted steps (counts barely depend on it)")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--cases", default=None, help="';'-separated row labels of step_cost.py (default: its ViT rows)")
+    args = p.parse_args()
+    device = setup(args)
+    if args.quick:
+        args.size, args.cases = "micro", args.cases or "none;qk_norm"
+    only = label_list(args.cases)
+    known = {c.label for c in CASES}
+    if unknown := [label for label in only if label not in known]:
+        raise SystemExit(f"--cases: unknown row(s) {unknown}; valid: {sorted(known)}")
+    depth = PRESETS["vit"][args.size]["depth"]
+    rows, compiled_steps = [], {}
+    for case in selected([c for c in CASES if not c.label.endswith("exact") and "exact," not in c.label], only):
+        at = [counts_at(case, args.size, args.tokens, d, args.precision) for d in DEPTHS]
+        print(f"{case.label}: {at}", flush=True)
+
+        def extrapolated(key: str, at: list = at) -> float:
+            return at[0][key] + (depth - DEPTHS[0]) * (at[1][key] - at[0][key])
+
+        eager = extrapolated("step")
+        if at[0]["compiled"] is None:
+            rows.append([case.label, f"{eager:.0f}", "—", "—", "—", "refused compiled", "—"])
+            continue
+        network, region, outside = extrapolated("network"), extrapolated("compiled"), eager - extrapolated("network")
+        compiled = compiled_steps[case.label] = region + outside
+        reference = compiled_steps.get(case.reference)
+        ratio = "—" if reference is None else f"{compiled / reference:.2f}×" + (
+            f" ({case.reference})" if case.reference != "none" else "")
+        rows.append([case.label, f"{eager:.0f}", f"{network:.0f}", f"{region:.0f}", f"{outside:.0f}",
+                     f"{compiled:.0f}", ratio])
+    body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at 1 and 2 blocks on {args.tokens} tokens "
+            "and extrapolated (module docstring). `eager step`: the eager step's launches on the GPU's code path; "
+            "`network, eager` and `network, compiled`: its forward and backward, eager and as the launching "
+            "statements of Inductor's generated code (kernels and library calls); `eager outside`: the step's other "
+            "launches (the stabilizers' terms, the optimizer, the projections; the certified losses' bound "
+            "composition, which --model.compile also compiles, is counted here eager); `compiled step`: the compiled "
+            "network and what stays eager, and its ratio to its reference compiled (step_cost.py's: the baseline, "
+            "plain Muon for its constraints, the certified losses' base for them), the compiled column's ratio where "
+            "launches set the time. The certified losses' rows are upper bounds: their bound's composition, counted "
+            "eager here (≈ 2,700 of their launches), is compiled too, into ≈ 13 kernels a block.\n\n"
+            + markdown(["row", "eager step", "network, eager", "network, compiled", "eager outside",
+                        "compiled step", "× its reference, compiled"], rows))
+    write("compiled_kernels", args, device, "The compiled step's launches, counted on the CPU", body)
+
+
+if __name__ == "__main__":
+    main()
