@@ -35,18 +35,25 @@ from stability.testing.gpu_model import count, cuda_path
 
 DEPTHS = (1, 2)
 BATCH = 4
-# a statement of Inductor's generated wrapper that launches: a generated kernel (C++ here, Triton on a GPU), a
-# library call (extern_kernels.mm, …) or an ATen operator it falls back to
-LAUNCH = re.compile(r"^\s*(?:\w+\s*=\s*)?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|torch\.ops\.aten\.\w+"
-                    r"(?:\.\w+)?|aten\.\w+(?:\.\w+)?)\(", re.M)
+# a statement of Inductor's generated wrapper that calls something: `f(…)`, `buf = f(…)`, `(buf1, ) = f(…)`
+CALL = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?([\w.]+)\(", re.M)
+KERNEL = re.compile(r"^(\w+) = async_compile\.", re.M)  # a kernel the module generates (C++, Triton, a template)
 NO_LAUNCH = ("aten.view", "aten.reshape", "aten.as_strided", "aten.permute", "aten.expand")
 
 
 def wrapper_launches(source: str) -> int:
-    """The launching statements in the ``call`` function of one of Inductor's generated modules."""
+    """The launching statements in the ``call`` function of one of Inductor's generated modules: its own kernels
+    (whatever their names), library calls (``extern_kernels.*``) and the ATen operators it falls back to."""
+    kernels = set(KERNEL.findall(source))
     body = source[source.index("def call("):]
     body = body[:body.index("\n\n\n")] if "\n\n\n" in body else body
-    return sum(1 for name in LAUNCH.findall(body) if not name.replace("torch.ops.", "").startswith(NO_LAUNCH))
+
+    def launches(name: str) -> bool:
+        aten = name.replace("torch.ops.", "")
+        return (name.split(".")[0] in kernels or name.startswith("extern_kernels.")
+                or (aten.startswith("aten.") and not aten.startswith(NO_LAUNCH)))
+
+    return sum(1 for name in CALL.findall(body) if launches(name))
 
 
 @contextlib.contextmanager
@@ -97,7 +104,12 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             step = count(lambda m=module, o=optimizer: train_step(m, o, images, labels, precision, 2))
             result["step"] = step.launches
             module.zero_grad(set_to_none=True)  # as a step starts: no gradients to accumulate into
-            result["network"] = count(lambda m=module: network_pass(m, images, precision)).launches
+            network = count(lambda m=module: network_pass(m, images, precision)).launches
+            with torch.no_grad():
+                logits = module.network(images).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+            logits.requires_grad_(True)
+            tail = count(lambda t=logits: t.float().sum().backward()).launches  # network_pass's, not the network's
+            result["network"] = network - tail
     return result
 
 

@@ -113,7 +113,8 @@ def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
 
 
 def test_compiled_kernels_reads_the_launches_of_generated_code(benchmark_modules):
-    """Kernels, library calls and ATen fallbacks count; allocations, views, deletions and the returned tuple do not."""
+    """The module's own kernels (by the names it defines, a template's and a tuple target's included), library calls
+    and ATen fallbacks count; allocations, views, deletions and the returned tuple do not."""
     from compiled_kernels import wrapper_launches
 
     source = """
@@ -127,13 +128,17 @@ def call(self, args):
     buf2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(buf1, buf1, buf1)
     buf3 = torch.ops.aten.view.default(buf1, [4, 8])
     triton_poi_fused_add_1.run(buf1, buf3, 32, stream=stream0)
+    (buf4, ) = cpp_bmm_2(buf1, buf3)
     return (buf1, buf2, )
 
 
 def benchmark_compiled_module(times=10, repeat=10):
     cpp_fused_gelu_0(None)
 """
-    assert wrapper_launches(source) == 4
+    kernels = ("cpp_fused_gelu_0 = async_compile.cpp_pybinding(['float*'], 'code')\n"
+               "triton_poi_fused_add_1 = async_compile.triton('triton_', 'code')\n"
+               "cpp_bmm_2 = async_compile.cpp_pybinding(['float*'], 'code')\n")
+    assert wrapper_launches(kernels + source) == 5
 
 
 def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path):

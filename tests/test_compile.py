@@ -167,29 +167,32 @@ COMPILED_CASES = [  # (backbone, image size, options, stabilizers): every stabil
                          ids=[f"{c[0]}-{'+'.join(c[3])}" for c in COMPILED_CASES])
 def test_a_compiled_training_step_has_no_graph_break_and_one_graph_for_every_batch_size(
         monkeypatch, backbone, size, options, stabilizers):
-    """The compiled network of a training step is one graph, without a break, for every stabilizer and backbone, and
-    batches of 8, 5 and 3 (an epoch's last batch, a measurement's) do not compile it again. Graph breaks and
-    recompilations are Dynamo's decisions, the same for every backend: the test traces with the ``eager`` backend,
-    which skips Inductor's code generation. (Before LePE's taps, CSwin compiled again for a batch of 5.)"""
+    """Each function a compiled training step compiles (the network; the certified losses' bound composition) is
+    compiled once, without a graph break, for batches of 32, 17, 10 and 3 (an epoch's last batch, a measurement's):
+    Dynamo's decisions, traced here with a counting backend that skips Inductor's code generation. Exception, on the
+    CPU only: the AOL convolutions of the hybrid and the anchor compile once more across a batch of 16 (torch's CPU
+    convolution choice reads the batch size; a GPU's does not). (Before LePE's taps, CSwin compiled again for a batch of
+    5; a planted graph break fails here.)"""
+    from torch._dynamo.testing import CompileCounter
+
     real_compile = torch.compile
-    compiled = []
+    counters = []
 
     def traced(model, mode=None, **options):  # the bound's composition asks for fullgraph=True, dynamic=False
-        compiled.append(real_compile(model, backend="eager", **options))
-        return compiled[-1]
+        counters.append(CompileCounter())
+        return real_compile(model, backend=counters[-1], **options)
 
     monkeypatch.setattr(torch, "compile", traced)
     torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
     torch.manual_seed(0)
     module = ImageClassifier(backbone=backbone, image_size=size, backbone_options=options, stabilizer=stabilizers,
                              compile=True).train()
-    images = torch.rand(8, 1, size, size)
-    for batch in (8, 5, 3):
+    images = torch.rand(32, 1, size, size)
+    for batch in (32, 17, 10, 3):
         _, terms = module.losses(images[:batch], torch.zeros(batch, dtype=torch.long))
         sum(terms.values()).backward()
-    new_breaks = {reason[:200]: n for reason, n in counters["graph_break"].items()}
-    assert sum(counters["graph_break"].values()) == breaks, new_breaks
-    # one graph per compiled function: the network, and the certified losses' bound where they compile it
-    assert counters["stats"]["unique_graphs"] - graphs == len(compiled) >= 1
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == breaks
+    network, *others = [counter.frame_count for counter in counters]
+    assert network == (2 if backbone in ("hybrid", "lipcnn") else 1)
+    assert others == [1] * len(others)

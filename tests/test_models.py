@@ -209,15 +209,30 @@ def test_lepe_taps_equal_the_depthwise_convolution(bias):
     assert (transposed - reference).abs().max() > 1e-2
 
 
-def test_lepe_keeps_the_convolution_eager_and_in_the_input_dtype():
-    """Eager, LePE is the convolution itself; its compiled form runs in the input's dtype (bf16 under autocast, as
-    the convolution does) and matches it to bf16's rounding."""
-    from stability.models.cswin import LePEConv, depthwise_conv3x3_taps
+def test_lepe_compiled_equals_the_convolution_in_float64_and_under_autocast(monkeypatch):
+    """A CSwin network traced compiled (its LePE as the nine products) gives the eager network's values and input
+    gradients: in float64 to 1e-10, and under bf16 autocast in bf16 (the convolution's dtype there) to its rounding.
+    Eager, LePE is the convolution itself."""
+    from stability.models.cswin import LePEConv
 
     torch.manual_seed(0)
     conv = LePEConv(4)
     x = torch.randn(2, 4, 3, 5)
     assert torch.equal(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1, groups=4))
-    low = depthwise_conv3x3_taps(x.bfloat16(), conv.weight, conv.bias)
-    assert low.dtype == torch.bfloat16
-    torch.testing.assert_close(low.float(), conv(x), rtol=2e-2, atol=2e-2)
+    network = build_backbone("cswin", "micro", img_size=16, in_chans=1, num_classes=10).double()
+    compiled = torch.compile(network, backend="eager")
+    images = torch.rand(3, 1, 16, 16, dtype=torch.float64, requires_grad=True)
+    eager_out, compiled_out = network(images), compiled(images)
+    assert compiled_out.dtype == torch.float64
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=1e-10)
+    grads = [torch.autograd.grad(out.square().sum(), images)[0] for out in (eager_out, compiled_out)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-10)
+    network.float()
+    with torch.autocast("cpu", torch.bfloat16):
+        eager_bf16, compiled_bf16 = network(images.float()), compiled(images.float())
+        lepe = network.stages[0][0].attn.lepe[0]
+        lepe_input = torch.randn(2, lepe.in_channels, 3, 5)  # float32 into a bf16 convolution, cast as it casts
+        eager_lepe, compiled_lepe = lepe(lepe_input), torch.compile(lepe, backend="eager")(lepe_input)
+    assert compiled_lepe.dtype == eager_lepe.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled_lepe.float(), eager_lepe.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(compiled_bf16.float(), eager_bf16.float(), rtol=5e-2, atol=5e-2)

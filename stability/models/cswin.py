@@ -45,7 +45,7 @@ class LePEConv(nn.Conv2d):
     out[c, y, x] = b[c] + Σᵢⱼ w[c, 0, i, j] · x̃[c, y + i, x + j] (x̃ zero-padded by one), which the compiler fuses
     into one kernel: torch's choice of a depthwise-convolution backend reads the batch size, so a compiled
     ``F.conv2d`` here compiled the network again for batch sizes in another range (an epoch's last batch, a
-    measurement's). The products run in the input's dtype, as the convolution does under autocast.
+    measurement's).
     """
 
     def __init__(self, channels: int) -> None:
@@ -59,12 +59,17 @@ class LePEConv(nn.Conv2d):
 
 def depthwise_conv3x3_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, padding=1, groups=C)`` for (N, C, H, W) x and (C, 1, 3, 3) weight, as nine
-    shifted elementwise products (no convolution backend to choose)."""
+    shifted elementwise products (no convolution backend to choose). Under autocast all three take its dtype, as the
+    convolution's do; otherwise none is cast (a float64 weight is never rounded to a lower input's dtype)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     h, w = x.shape[-2:]
-    weight = weight.to(x.dtype)
     padded = F.pad(x, (1, 1, 1, 1))
     out = sum(weight[:, 0, i, j, None, None] * padded[..., i:i + h, j:j + w] for i in range(3) for j in range(3))
-    return out if bias is None else out + bias.to(x.dtype)[:, None, None]
+    return out if bias is None else out + bias[:, None, None]
 
 
 class CrossShapedAttention(nn.Module):
