@@ -21,6 +21,8 @@
 #   autoattack  the official AutoAttack ℓ2 1.58 on all 10,000 MNIST test images for the published certified
 #               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
 #               MNIST files under data/MNIST/raw
+#   workers     four short digits runs swept with --workers 1, 2, 4 on the one GPU (the sweep's speed-up; its CPU proxy
+#               is results/benchmarks/sweep_workers_cpu.md)
 #   wide        the hybrid at the anchor's size (embed_dim 248: 1.98 M parameters) on the 60-epoch schedule, the study
 #               configs/experiments/mnist/certified_hybrid.yaml's run of it (MNIST under data/MNIST/raw)
 #   horizon     GloRo's 300 epochs for the 4C3F anchor and the hybrid (configs/lipcnn_mnist.yaml, configs/hybrid_mnist.yaml),
@@ -96,6 +98,11 @@ part_autoattack() {
         --robustness.compile true
 }
 
+part_workers() {
+    run workers "${LIMIT_WORKERS:-300}" python benchmarks/sweep_workers.py --device cuda --workers 1,2,4 --runs 4 \
+        --out "$OUT/sweep_workers.md"
+}
+
 # pack NAME DIR: DIR's logs, events and results (no checkpoints: too large to come back from a lent machine) as
 # $OUT/NAME.tar.gz, one file, so that a run's results leave the machine even when its folder cannot.
 pack() {
@@ -128,7 +135,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(check phases loop steps)
 for part in "${parts[@]}"; do
     if ! declare -F "part_$part" > /dev/null; then
-        say "unknown part '$part': valid parts are check, phases, loop, steps, autoattack, wide, horizon"
+        say "unknown part '$part': valid parts are check, phases, loop, steps, autoattack, workers, wide, horizon"
         exit 2
     fi
 done
