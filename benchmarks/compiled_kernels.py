@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 import torch._inductor.config as inductor_config
 from common import arguments, build_module, markdown, setup, train_step, write
-from step_cost import CASES, geometry, label_list, put_weights_at_the_cap, selected
+from step_cost import CASES, case_labels, geometry, put_weights_at_the_cap, selected
 from torch._inductor.graph import GraphLowering
 
 from stability.models.registry import PRESETS
@@ -132,10 +132,7 @@ def main() -> None:
     device = setup(args)
     if args.quick:
         args.size, args.cases = "micro", args.cases or "none;qk_norm"
-    only = label_list(args.cases)
-    known = {c.label for c in CASES}
-    if unknown := [label for label in only if label not in known]:
-        raise SystemExit(f"--cases: unknown row(s) {unknown}; valid: {sorted(known)}")
+    only = case_labels(args.cases, "cases")
     depth = PRESETS["vit"][args.size]["depth"]
     rows, compiled_steps = [], {}
     for case in selected([c for c in CASES if not c.label.endswith("exact") and "exact," not in c.label], only):

@@ -124,6 +124,14 @@ def label_list(text: str | None) -> tuple[str, ...]:
     return tuple(label for label in (text or "").split(";") if label)
 
 
+def case_labels(text: str | None, option: str) -> tuple[str, ...]:
+    """:func:`label_list` of ``--option``'s value, every label a row of :data:`CASES` (a typo fails naming the rows)."""
+    labels = label_list(text)
+    if unknown := [label for label in labels if label not in {c.label for c in CASES}]:
+        raise SystemExit(f"--{option} {unknown}: choose from {[c.label for c in CASES]}")
+    return labels
+
+
 def selected(cases: list[Case], only: tuple[str, ...], compiled: tuple[str, ...] = ()) -> list[Case]:
     """``cases`` restricted to ``only`` (all where empty) and the compiled rows, with the rows their ratios are taken
     against (references of references included)."""
@@ -457,11 +465,8 @@ def main() -> None:
     p.add_argument("--fit_counts", default=None, help="--count: fit the model to these counts (a <out>.json of the "
                                                       "code the GPU table measured) and predict the current code's")
     args = p.parse_args()
-    labels = {c.label for c in CASES}
     for option in ("cases", "compiled", "profile"):  # before the device: a typo fails here, not on the GPU
-        unknown = [label for label in label_list(getattr(args, option)) if label not in labels]
-        if unknown:
-            raise SystemExit(f"--{option} {unknown}: choose from {[c.label for c in CASES]}")
+        case_labels(getattr(args, option), option)
     if args.count:
         setup(args)
         args.backbones = args.backbones if args.backbones != "vit,swin,cswin" else "vit:small"

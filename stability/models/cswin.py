@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp
 from torch import nn
 
+from ..nn.precision import autocast_dtype
+
 
 def to_stripes(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """(B, H, W, C) → (B · H/height · W/width, height · width, C)."""
@@ -61,9 +63,7 @@ def depthwise_conv3x3_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """``F.conv2d(x, weight, bias, padding=1, groups=C)`` for (N, C, H, W) x and (C, 1, 3, 3) weight, as nine
     shifted elementwise products (no convolution backend to choose). Under autocast all three take its dtype, as the
     convolution's do; otherwise none is cast (a float64 weight is never rounded to a lower input's dtype)."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
+    if (dtype := autocast_dtype(x.device.type)) is not None:
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     h, w = x.shape[-2:]

@@ -51,6 +51,14 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device_type, enabled=False)
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast gives its operators on ``device_type`` now, or None where it is off (and on ``meta``, which
+    has no autocast to ask about)."""
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 @contextlib.contextmanager
 def float32_math(device_type: str) -> Iterator[None]:
     """No autocast on ``device_type`` and IEEE float32 matmuls inside the block (the caller casts its
