@@ -241,6 +241,10 @@ def test_the_lipschitz_batch_is_the_formulas_strictly_inside_the_points(monkeypa
     shared = LipschitzMonitor(batch_size="memory")._measured_batch(fake_trainer(2, said), tiny_vit, None, dataset, 64,
                                                                    "cpu", "fit")
     assert shared == by_hand([local, ascent], copies, 32, memory // 2) and said == [shared]
+    rows = (COPIES + 10) * images[0].numel() * 4  # the exact estimate's Jacobian: 10 input-sized rows a point more
+    with_rows = LipschitzMonitor(batch_size="memory")._measured_batch(fake_trainer(), tiny_vit, None, dataset, 64,
+                                                                      "cpu", "fit", jacobian_rows=10)
+    assert with_rows == by_hand([local, ascent], rows, 64, memory) < without
 
 
 def test_bad_lipschitz_batch_sizes_are_refused():

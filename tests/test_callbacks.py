@@ -110,6 +110,27 @@ def test_monitors_log_during_fit(tmp_path, scalars, tiny_vit_args, caplog):
     shares = [r.getMessage() for r in caplog.records if "of this epoch's training (" in r.getMessage()]
     assert sum(m.startswith("lipschitz (fit): measurements") for m in shares) == 2  # every epoch
     assert sum(m.startswith("robustness (fit): measurements") for m in shares) == 1  # every 2 epochs
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("lipschitz (fit): local Lipschitz estimates (exact) on 8 points in" in m for m in said) == 2  # auto
+
+
+def test_the_monitors_local_estimate_is_the_exact_norm_by_default_and_power_iteration_when_asked():
+    from stability.classifier import ImageClassifier
+    from stability.lipschitz import jacobian_norm
+
+    torch.manual_seed(0)
+    network = ImageClassifier(backbone="vit", image_size=8, backbone_options=dict(embed_dim=16, depth=1, num_heads=2)
+                              ).network.eval()
+    images = torch.rand(4, 1, 8, 8)
+    exact = jacobian_norm(network, images, method="exact")
+    measured = LipschitzMonitor(iterations=5, lower_bound=False).measure_points(network, 7, images)["local"]
+    assert torch.equal(measured, exact)  # 10 logits <= 2 * 5 iterations
+    power = LipschitzMonitor(iterations=2, method="power", lower_bound=False).measure_points(network, 7, images)
+    torch.testing.assert_close(power["local"], jacobian_norm(network, images, 2, seed=7), rtol=0, atol=0)
+    assert not torch.allclose(power["local"], exact, rtol=1e-4, atol=0)
+    assert (power["local"] <= exact * (1 + 1e-5)).all()
+    with pytest.raises(ValueError, match=r"method must be one of \['power', 'exact', 'auto'\], got 'svd'"):
+        LipschitzMonitor(method="svd")
 
 
 def test_the_measurements_say_their_share_of_an_epoch_and_warn_once_above_a_tenth(caplog):

@@ -5,6 +5,7 @@ from torch.func import jacrev
 
 from stability.classifier import ImageClassifier
 from stability.lipschitz import empirical_lower_bound, jacobian_norm
+from stability.lipschitz.local import local_method
 from stability.models import attention_sites, explicit_attention
 
 BACKBONES = {"vit": (8, dict(embed_dim=16, depth=1, num_heads=2)),
@@ -72,5 +73,17 @@ def test_empirical_lower_bound_never_exceeds_the_local_estimate(backbone):
 
 def test_bad_method():
     network, size = tiny("vit")
-    with pytest.raises(ValueError, match="method must be 'power' or 'exact'"):
+    with pytest.raises(ValueError, match="method must be 'power', 'exact' or 'auto', got 'svd'"):
         jacobian_norm(network, torch.rand(1, 1, size, size, dtype=torch.float64), method="svd")
+
+
+def test_auto_takes_the_exact_norm_up_to_two_logits_per_power_iteration_and_power_iteration_beyond():
+    assert [local_method("auto", k, 10) for k in (1, 10, 20, 21, 100)] == ["exact"] * 3 + ["power"] * 2
+    assert local_method("power", 10, 10) == "power" and local_method("exact", 1000, 1) == "exact"
+    network, size = tiny("vit")  # 10 logits
+    images = torch.rand(3, 1, size, size, dtype=torch.float64)
+    exact = jacobian_norm(network, images, method="exact")
+    assert torch.equal(jacobian_norm(network, images, iterations=5, method="auto"), exact)  # 10 <= 2 * 5
+    power = jacobian_norm(network, images, iterations=4, seed=3)
+    assert not torch.allclose(power, exact, rtol=1e-10, atol=0)  # four iterations have not converged: distinguishable
+    assert torch.equal(jacobian_norm(network, images, iterations=4, method="auto", seed=3), power)  # 10 > 2 * 4

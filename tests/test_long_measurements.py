@@ -111,7 +111,8 @@ def test_a_test_says_what_it_runs_for_how_long_and_one_line_per_measurement(chec
     said = done.stdout + done.stderr
     plan = [line for line in said.splitlines() if "points — at most ≈" in line]
     assert len(plan) == 1 and "--robustness.autoattack_num_points" in plan[0] and "on 270" in plan[0]
-    for measurement in ("clean", "fgsm_Linf_8/255", "pgd_Linf_2/255", "local Lipschitz estimates",
+    for measurement in ("clean", "fgsm_Linf_8/255", "pgd_Linf_2/255",
+                        "local Lipschitz estimates (power)",  # auto: 10 logits > 2 × 2 iterations
                         "attention diagnostics"):
         assert any(f": {measurement} on " in line and "points/s" in line for line in said.splitlines()), measurement
     assert "%|" not in said  # no bars with the progress bar off

@@ -1,8 +1,10 @@
 """Logs Lipschitz measurements during fit (every ``every_n_epochs`` validation, on a fixed subset of
 the validation set) and at test (the whole test split unless ``test_num_points`` limits it):
 
-* ``lipschitz/local_{mean,median,max}`` — local estimate ‖J_f(x)‖₂ at each point (power iteration, a
-  lower bound of the local norm that tightens with iterations), with a histogram;
+* ``lipschitz/local_{mean,median,max}`` — local estimate ‖J_f(x)‖₂ at each point, with a histogram: by
+  default (``method="auto"``) the exact norm of the full Jacobian where the network has at most 2 · ``iterations``
+  logits (10 classes: one vector–Jacobian product per logit, the fused attention kept), else power iteration (a
+  lower bound of the local norm that tightens with iterations);
   ``lipschitz/local_noembed_*`` the same from the patch embedding on (optional);
 * ``lipschitz/lower_bound_max`` — empirical lower bound by gradient ascent in a small ball;
 * ``lipschitz/certified_log10`` — the model's certified global bound, where one exists; when none
@@ -32,6 +34,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from .. import tags
 from ..lipschitz import empirical_lower_bound, jacobian_norm
 from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
+from ..lipschitz.local import METHODS, local_method
 from ..lipschitz.pairs import certified_pair_constants, margin_lower_bound
 from ..nn.spectral import rms_scale, spectral_norms
 from ..robustness.attacks import evaluating, gradients_allowed, input_gradient
@@ -53,7 +56,8 @@ COPIES = 12  # input-sized buffers a point keeps beside the graph: x, v, Jᵀu, 
 
 class LipschitzMonitor(L.Callback):
     """Args: every_n_epochs (0: off, also at test), num_points during fit, test_num_points at test
-    (None: all), power ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``,
+    (None: all), ``method`` of the local estimate (``auto``, ``exact`` or ``power``: module doc) and its power
+    ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``,
     ``weights``, ``attention`` (the diagnostics) on ``attention_points`` points, ``per_head`` scalars,
     ``batch_size`` points per batch (``memory``: the largest whose estimated peak fits half the device's memory,
     from the bytes the largest of the measurements' units of work saves per point, :meth:`_units`,
@@ -65,7 +69,11 @@ class LipschitzMonitor(L.Callback):
     def __init__(self, every_n_epochs: int = 1, num_points: int = 64, test_num_points: int | None = None,
                  iterations: int = 10, exclude_patch_embed: bool = False, lower_bound: bool = True,
                  weights: bool = True, attention: bool = True, attention_points: int = 16, per_head: bool = False,
-                 batch_size: int | Literal["memory"] = 64, pair_points: int = 0, pair_steps: int = 200) -> None:
+                 batch_size: int | Literal["memory"] = 64, pair_points: int = 0, pair_steps: int = 200,
+                 method: Literal["auto", "exact", "power"] = "auto") -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+        self.method = method
         if pair_points < 0 or pair_steps < 1:
             raise ValueError(f"need pair_points >= 0 (0: off) and pair_steps >= 1; got {pair_points}, {pair_steps}")
         self.pair_points, self.pair_steps = pair_points, pair_steps
@@ -111,10 +119,10 @@ class LipschitzMonitor(L.Callback):
         out = {}
         with gradients_allowed(), evaluating(network):
             images = images.clone()
-            out["local"] = jacobian_norm(network, images, self.iterations, seed=index)
+            out["local"] = jacobian_norm(network, images, self.iterations, self.method, seed=index)
             if self.exclude_patch_embed and hasattr(network.backbone, "patch_embed"):  # not the convolutional anchor
-                out["local_noembed"] = jacobian_norm(network, images, self.iterations, exclude_patch_embed=True,
-                                                     seed=index)
+                out["local_noembed"] = jacobian_norm(network, images, self.iterations, self.method,
+                                                     exclude_patch_embed=True, seed=index)
             if self.lower_bound:
                 out["lower_bound"] = empirical_lower_bound(network, images, seed=index)
         return out
@@ -125,21 +133,23 @@ class LipschitzMonitor(L.Callback):
             return
         dataset = dataset_of(loaders)
         count = point_count(dataset, num_points)
+        method = local_method(self.method, pl_module.hparams.num_classes, self.iterations)
         with float32_network(pl_module.network) as network:
             bound, reason, exact = exact_certificate(pl_module.stabilizers, network)  # float64, rounded outward
             pairs = stage == "test" and self.pair_points and bound is not None and bound.value > 0
             batch = self._measured_batch(trainer, network, exact if pairs else None, dataset, count,
-                                         pl_module.device, stage)
+                                         pl_module.device, stage,
+                                         jacobian_rows=pl_module.hparams.num_classes if method == "exact" else 0)
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("lipschitz-" + store_key(
-                    network, dataset, self.iterations, self.exclude_patch_embed, self.lower_bound, self.attention,
-                    self.attention_points, self.pair_points, self.pair_steps, count, batch))
+                    network, dataset, self.method, self.iterations, self.exclude_patch_embed, self.lower_bound,
+                    self.attention, self.attention_points, self.pair_points, self.pair_steps, count, batch))
             session = Session.of(trainer, f"lipschitz ({stage})", store)
             try:
                 batches = measure_batches(dataset, count, batch, pl_module.device,
                                           lambda index, images, _: self.measure_points(network, index, images),
-                                          session, "local Lipschitz estimates", network)
+                                          session, f"local Lipschitz estimates ({method})", network)
             except MeasurementInterrupted as stopped:
                 self._interrupted(stage, stopped, count)
                 return
@@ -187,7 +197,8 @@ class LipschitzMonitor(L.Callback):
                 logged.update(_weight_norms(network))
         session.finished()
         self.last_results[stage] = {
-            "points": count, "batch_size": batch, **metrics,
+            "points": count, "batch_size": batch,
+            "local_method": method, **metrics,
             "certified_bound": None if bound is None else {"value": bound.value, "label": bound.label,
                                                            "domain": bound.domain}}
         if trainer.is_global_zero:
@@ -198,32 +209,36 @@ class LipschitzMonitor(L.Callback):
                         logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
 
     def _measured_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
-                        device, stage: tags.Stage) -> int:
+                        device, stage: tags.Stage, jacobian_rows: int = 0) -> int:
         """The batch size: as set, or (``memory``) the largest whose estimate fits the device's memory, from the
         bytes the largest of the measurements' units of work saves (:meth:`_units`), counted on rank 0 and
-        broadcast."""
+        broadcast; ``jacobian_rows`` input-sized rows a point more where the exact local estimate keeps its
+        Jacobian (K of them)."""
         if self.batch_size != "memory":
             return self.batch_size
-        key = (stage, count, exact is not None)
+        key = (stage, count, exact is not None, jacobian_rows)
         if key not in self._sized:  # the size depends on the architecture, not on the weights: once per run
-            self._sized[key] = self._memory_batch(trainer, network, exact, dataset, count, device, stage)
+            self._sized[key] = self._memory_batch(trainer, network, exact, dataset, count, device, stage,
+                                                  jacobian_rows)
         return self._sized[key]
 
     def _memory_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
-                      device, stage: tags.Stage) -> int:
+                      device, stage: tags.Stage, jacobian_rows: int = 0) -> int:
         def size(images: torch.Tensor, labels: torch.Tensor, share: int, memory: int) -> int:
             estimates = [unit_bytes(functools.partial(_saved_by, unit), images, labels)
                          for unit in self._units(network, exact)]
             per_point, fixed = max(e[0] for e in estimates), max(e[1] for e in estimates)
-            return largest_batch(per_point, fixed, COPIES * images[0].numel() * images.element_size(), share, memory)
+            copies = (COPIES + jacobian_rows) * images[0].numel() * images.element_size()
+            return largest_batch(per_point, fixed, copies, share, memory)
 
         return memory_sized(trainer, dataset, count, device, size, f"lipschitz ({stage}):", "lipschitz.batch_size")
 
     def _units(self, network: torch.nn.Module, exact: torch.nn.Module | None = None) -> list:
         """The measurements' units of work on a batch, one graph each (the peak is the largest, not their sum): a
-        local estimate (the network's graph, its attention maps materialised, and a differentiable vector–Jacobian
-        product's), a step of the lower bound's ascent (a forward and backward pass) and, where the pairs run
-        (``exact`` given), a step of their ascent (two graphs at once) and their float64 evaluation on ``exact``
+        local estimate by power iteration (the network's graph, its attention maps materialised, and a differentiable
+        vector–Jacobian product's: at least what the exact method's graph, on the fused kernels, holds), a step of
+        the lower bound's ascent (a forward and backward pass) and, where the pairs run (``exact`` given), a step of
+        their ascent (two graphs at once) and their float64 evaluation on ``exact``
         (counted with its graph: at least what it holds without one). The attention diagnostics keep no graph; the
         maps they compute are those the local estimate's graph holds."""
         def local(x: torch.Tensor) -> None:
