@@ -10,8 +10,10 @@ and certified accuracy (the Lipschitz-transformer ViT), attention diagnostics, F
 AutoAttack — the official one (pyautoattack, standard version) and torchattacks' — per point, on a
 model trained for ``--train_epochs`` first (attacks stop early on points already misclassified, so an
 untrained model would flatter them; AutoAttack at ε = 2/255, where most points resist, its costly
-case). Target: the local estimate costs ≤ 2 × iterations + 1 training steps per batch of points. ``--compile`` adds
-the attacks through the network compiled at the batch's shape (``--robustness.compile``), compiled before timing.
+case). Target: the local estimate costs ≤ 2 × iterations + 1 training steps per batch of points. The exact norm is
+also timed in one pass over 10 copies of each point (:func:`stability.lipschitz.jacobian_norm_one_pass`). ``--compile``
+adds the attacks (``--robustness.compile``), the one-pass exact norm and the lower bound (``--lipschitz.compile``)
+through the network compiled at their batch's shape, compiled before timing.
 
 ``--count`` counts instead of timing (stability/testing/gpu_model.py): the kernel-launching operators and the reads
 back to the host of each measurement per point, on points measured one at a time and in one batch of ``--batch``.
@@ -24,11 +26,11 @@ from collections.abc import Callable
 import torch
 from common import arguments, build_module, digits, interleaved, markdown, setup, train_epochs, train_step, write
 
-from stability.lipschitz import empirical_lower_bound, jacobian_norm
+from stability.lipschitz import empirical_lower_bound, jacobian_norm, jacobian_norm_one_pass
 from stability.lipschitz.attention import attention_diagnostics
 from stability.lipschitz.certified import certified_bound
 from stability.robustness import AttackSpec, certified_radii, robust_accuracy
-from stability.robustness.fixed_batch import attacked_network
+from stability.robustness.fixed_batch import FixedBatch, attacked_network
 from stability.testing.gpu_model import count
 
 
@@ -85,6 +87,10 @@ def main() -> None:
         compiled.warm_up(images)  # the compilation is paid once per run, not timed here
         cases["FGSM, compiled"] = attack("fgsm", args.batch, through=compiled)
         cases["PGD-10, compiled"] = attack("pgd", args.batch, through=compiled)
+        one_pass = FixedBatch(network, 10 * args.batch, compile=True)  # --lipschitz.compile: 10 classes
+        one_pass.warm_up(images.repeat_interleave(10, dim=0))
+        cases["local Lipschitz, exact in one pass, compiled"] = lambda: jacobian_norm_one_pass(one_pass, images, 10)
+        cases["empirical lower bound, compiled"] = lambda: empirical_lower_bound(compiled, images)
     seconds = interleaved(cases, device, args.repeats, warmup=1)
     network.eval()
     aa = {"AutoAttack official (standard, 2/255)": ("autoattack", network),
@@ -143,6 +149,7 @@ def measurements(network: torch.nn.Module, transformer: torch.nn.Module, iterati
         "local Lipschitz, power, 1 iteration": lambda x, y: jacobian_norm(network, x, 1),
         f"local Lipschitz, power, {iterations} iterations": lambda x, y: jacobian_norm(network, x, iterations),
         "local Lipschitz, exact (one VJP per logit)": lambda x, y: jacobian_norm(network, x, method="exact"),
+        "local Lipschitz, exact in one pass (10 copies a point)": lambda x, y: jacobian_norm_one_pass(network, x, 10),
         "empirical lower bound (10 ascent steps)": lambda x, y: empirical_lower_bound(network, x),
         "certified bound (Lipschitz-transformer ViT)": lambda x, y: certified_bound(transformer),
         "certified accuracy (bound + radii)": certified_accuracy,

@@ -308,7 +308,7 @@ def test_a_pass_on_the_gpu_stays_inside_its_estimate(tiny_vit):
 @pytest.mark.gpu
 def test_a_local_estimate_on_the_gpu_stays_inside_its_estimate(tiny_vit):
     """The same for the Lipschitz measurements' largest unit, a local estimate (power iteration) at 256 points, with
-    the input copies the monitor allows beside it."""
+    the input copies the monitor allows beside it (the exact estimate's, which ``auto`` takes here: 10 rows more)."""
     from stability.callbacks.lipschitz_monitor import COPIES, LipschitzMonitor
 
     device = torch.device("cuda")
@@ -322,7 +322,7 @@ def test_a_local_estimate_on_the_gpu_stays_inside_its_estimate(tiny_vit):
     before = torch.cuda.memory_allocated(device)
     monitor.measure_points(network, 0, images)
     peak = torch.cuda.max_memory_allocated(device) - before
-    assert peak <= TRANSIENT_FACTOR * (fixed + 256 * per_point) + 256 * COPIES * images[0].numel() * 4
+    assert peak <= TRANSIENT_FACTOR * (fixed + 256 * per_point) + 256 * (COPIES + 10) * images[0].numel() * 4
 
 
 def test_the_cpus_memory_is_the_cgroups_limit_where_lower(tmp_path, monkeypatch):

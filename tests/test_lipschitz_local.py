@@ -4,7 +4,7 @@ import torch
 from torch.func import jacrev
 
 from stability.classifier import ImageClassifier
-from stability.lipschitz import empirical_lower_bound, jacobian_norm
+from stability.lipschitz import empirical_lower_bound, jacobian_norm, jacobian_norm_one_pass
 from stability.lipschitz.local import local_method
 from stability.models import attention_sites, explicit_attention
 
@@ -36,6 +36,21 @@ def test_power_iteration_and_exact_agree_with_jacrev(backbone):
     assert (power <= exact * (1 + 1e-9)).all()  # power iteration approaches from below
     torch.testing.assert_close(power, exact, rtol=1e-3, atol=0)  # stated tolerance: 0.1% after 30 iterations
     assert all(s.module.fused_attn for s in attention_sites(network))  # fused path restored
+
+
+@pytest.mark.parametrize("backbone", ["vit", "swin", "cswin"])
+def test_the_one_pass_exact_norm_is_the_exact_norm_also_padded_to_a_fixed_batch(backbone):
+    from stability.robustness.fixed_batch import FixedBatch
+
+    network, size = tiny(backbone)
+    images = torch.rand(3, 1, size, size, dtype=torch.float64)
+    exact = jacobian_norm(network, images, method="exact")
+    torch.testing.assert_close(jacobian_norm_one_pass(network, images, 10), exact, rtol=1e-10, atol=0)
+    padded = FixedBatch(network, 32)  # 30 rows and 2 zero images: one shape whatever the number of points
+    torch.testing.assert_close(jacobian_norm_one_pass(padded, images, 10), exact, rtol=1e-10, atol=0)
+    torch.testing.assert_close(jacobian_norm_one_pass(padded, images[:2], 10), exact[:2], rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match=r"the network gives \(10,\) outputs a point; num_logits=9"):
+        jacobian_norm_one_pass(network, images, 9)
 
 
 def test_excluding_the_patch_embedding_differentiates_from_its_output():

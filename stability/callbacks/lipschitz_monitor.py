@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -32,13 +32,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .. import tags
-from ..lipschitz import empirical_lower_bound, jacobian_norm
+from ..lipschitz import empirical_lower_bound, jacobian_norm, jacobian_norm_one_pass
 from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
 from ..lipschitz.local import METHODS, local_method
 from ..lipschitz.pairs import certified_pair_constants, margin_lower_bound
 from ..nn.spectral import rms_scale, spectral_norms
 from ..robustness.attacks import evaluating, gradients_allowed, input_gradient
 from ..robustness.batch_memory import largest_batch, unit_bytes
+from ..robustness.fixed_batch import FixedBatch
 from ..testing.profiling import saved_for_backward
 from .bounds import exact_certificate
 from .measuring import EpochShare, MeasurementInterrupted, Session, results_path, store_key
@@ -48,6 +49,14 @@ from .precision import float32_network
 
 def _saved_by(unit, images: torch.Tensor, _labels: torch.Tensor) -> int:
     return saved_for_backward(functools.partial(unit, images))
+
+
+class CompiledPasses(NamedTuple):
+    """``--lipschitz.compile``'s networks: ``local`` at K·B points (the one-pass exact estimate), ``points`` at B."""
+
+    local: FixedBatch
+    points: FixedBatch
+    num_logits: int
 
 
 COPIES = 12  # input-sized buffers a point keeps beside the graph: x, v, Jᵀu, δ; the pairs' x₁, x₂, their gradients,
@@ -64,16 +73,22 @@ class LipschitzMonitor(L.Callback):
     :mod:`~stability.robustness.batch_memory`; the batches' seeds make the numbers depend on it); ``pair_points``: at
     test, the margins' global lower bound by gradient ascent on pairs from that many points (GloRo's tool,
     ``pair_steps`` Adam steps; 0: off), against the certified per-pair constants (``margin_lower_bound``,
-    ``margin_bound``, ``margin_tightness``)."""
+    ``margin_bound``, ``margin_tightness``); ``compile``: the exact local estimate as one forward and one backward
+    pass over K copies of each point (:func:`~stability.lipschitz.local.jacobian_norm_one_pass`) and the lower
+    bound's ascent, each through the network compiled at one batch shape
+    (:class:`~stability.robustness.fixed_batch.FixedBatch`): on a GPU few large kernels in place of one launch per
+    operation, the numbers equal up to rounding. Power iteration (its double backward), the variant from the patch
+    embedding (a hook inside the network) and the attention diagnostics stay eager."""
 
     def __init__(self, every_n_epochs: int = 1, num_points: int = 64, test_num_points: int | None = None,
                  iterations: int = 10, exclude_patch_embed: bool = False, lower_bound: bool = True,
                  weights: bool = True, attention: bool = True, attention_points: int = 16, per_head: bool = False,
                  batch_size: int | Literal["memory"] = 64, pair_points: int = 0, pair_steps: int = 200,
-                 method: Literal["auto", "exact", "power"] = "auto") -> None:
+                 method: Literal["auto", "exact", "power"] = "auto", compile: bool = False) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
-        self.method = method
+        self.method, self.compile = method, bool(compile)
+        self._said_eager = False
         if pair_points < 0 or pair_steps < 1:
             raise ValueError(f"need pair_points >= 0 (0: off) and pair_steps >= 1; got {pair_points}, {pair_steps}")
         self.pair_points, self.pair_steps = pair_points, pair_steps
@@ -114,18 +129,43 @@ class LipschitzMonitor(L.Callback):
         if self.every_n_epochs:
             self._measure(trainer, pl_module, trainer.test_dataloaders, self.test_num_points, "test")
 
-    def measure_points(self, network: torch.nn.Module, index: int, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The per-point measurements of one batch (no Lightning needed)."""
+    def measure_points(self, network: torch.nn.Module, index: int, images: torch.Tensor,
+                       compiled: CompiledPasses | None = None) -> dict[str, torch.Tensor]:
+        """The per-point measurements of one batch (no Lightning needed); ``compiled``: the exact local estimate and
+        the lower bound through these fixed-batch networks."""
         out = {}
         with gradients_allowed(), evaluating(network):
             images = images.clone()
-            out["local"] = jacobian_norm(network, images, self.iterations, self.method, seed=index)
+            if compiled is not None:
+                with evaluating(compiled.local):
+                    out["local"] = jacobian_norm_one_pass(compiled.local, images, compiled.num_logits)
+            else:
+                out["local"] = jacobian_norm(network, images, self.iterations, self.method, seed=index)
             if self.exclude_patch_embed and hasattr(network.backbone, "patch_embed"):  # not the convolutional anchor
                 out["local_noembed"] = jacobian_norm(network, images, self.iterations, self.method,
                                                      exclude_patch_embed=True, seed=index)
             if self.lower_bound:
-                out["lower_bound"] = empirical_lower_bound(network, images, seed=index)
+                ascended = network if compiled is None else compiled.points
+                with evaluating(ascended):
+                    out["lower_bound"] = empirical_lower_bound(ascended, images, seed=index)
         return out
+
+    def _compiled_passes(self, network: torch.nn.Module, method: str, num_logits: int, batch: int,
+                         count: int) -> CompiledPasses | None:
+        """The fixed-batch compiled networks of ``--lipschitz.compile`` (None: eager), once per measurement; said once
+        where the local estimate cannot be compiled."""
+        if not self.compile:
+            return None
+        if method != "exact":
+            if not self._said_eager:
+                rank_zero_info(f"lipschitz: --lipschitz.compile runs the exact local estimate compiled; this one is "
+                               f"power iteration ({num_logits} logits > 2 × {self.iterations} iterations: "
+                               f"--lipschitz.method exact forces it), which stays eager")
+                self._said_eager = True
+            return None
+        points = min(batch, count)
+        return CompiledPasses(FixedBatch(network, points * num_logits, compile=True),
+                              FixedBatch(network, points, compile=True), num_logits)
 
     def _measure(self, trainer, pl_module, loaders, num_points, stage: tags.Stage) -> None:
         if not has_finite_weights(pl_module):
@@ -146,10 +186,16 @@ class LipschitzMonitor(L.Callback):
                     network, dataset, self.method, self.iterations, self.exclude_patch_embed, self.lower_bound,
                     self.attention, self.attention_points, self.pair_points, self.pair_steps, count, batch))
             session = Session.of(trainer, f"lipschitz ({stage})", store)
+            compiled = self._compiled_passes(network, method, pl_module.hparams.num_classes, batch, count)
+            # the stop check hooks the fixed-batch wrappers where compiled: a hook on the network itself would be a new
+            # hook inside its compiled graph (a recompilation each measurement)
+            stop_checked = network if compiled is None else [compiled.local, compiled.points]
             try:
-                batches = measure_batches(dataset, count, batch, pl_module.device,
-                                          lambda index, images, _: self.measure_points(network, index, images),
-                                          session, f"local Lipschitz estimates ({method})", network)
+                batches = measure_batches(
+                    dataset, count, batch, pl_module.device,
+                    lambda index, images, _: self.measure_points(network, index, images, compiled),
+                    session, f"local Lipschitz estimates ({method}{', compiled' if compiled else ''})",
+                    stop_checked)
             except MeasurementInterrupted as stopped:
                 self._interrupted(stage, stopped, count)
                 return
@@ -198,7 +244,7 @@ class LipschitzMonitor(L.Callback):
         session.finished()
         self.last_results[stage] = {
             "points": count, "batch_size": batch,
-            "local_method": method, **metrics,
+            "local_method": method, "compiled": self.compile and method == "exact", **metrics,
             "certified_bound": None if bound is None else {"value": bound.value, "label": bound.label,
                                                            "domain": bound.domain}}
         if trainer.is_global_zero:
@@ -225,22 +271,24 @@ class LipschitzMonitor(L.Callback):
     def _memory_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
                       device, stage: tags.Stage, jacobian_rows: int = 0) -> int:
         def size(images: torch.Tensor, labels: torch.Tensor, share: int, memory: int) -> int:
+            one_pass = jacobian_rows if self.compile else 0
             estimates = [unit_bytes(functools.partial(_saved_by, unit), images, labels)
-                         for unit in self._units(network, exact)]
+                         for unit in self._units(network, exact, one_pass)]
             per_point, fixed = max(e[0] for e in estimates), max(e[1] for e in estimates)
             copies = (COPIES + jacobian_rows) * images[0].numel() * images.element_size()
             return largest_batch(per_point, fixed, copies, share, memory)
 
         return memory_sized(trainer, dataset, count, device, size, f"lipschitz ({stage}):", "lipschitz.batch_size")
 
-    def _units(self, network: torch.nn.Module, exact: torch.nn.Module | None = None) -> list:
+    def _units(self, network: torch.nn.Module, exact: torch.nn.Module | None = None, one_pass: int = 0) -> list:
         """The measurements' units of work on a batch, one graph each (the peak is the largest, not their sum): a
         local estimate by power iteration (the network's graph, its attention maps materialised, and a differentiable
         vector–Jacobian product's: at least what the exact method's graph, on the fused kernels, holds), a step of
         the lower bound's ascent (a forward and backward pass) and, where the pairs run (``exact`` given), a step of
         their ascent (two graphs at once) and their float64 evaluation on ``exact``
         (counted with its graph: at least what it holds without one). The attention diagnostics keep no graph; the
-        maps they compute are those the local estimate's graph holds."""
+        maps they compute are those the local estimate's graph holds. ``one_pass`` (K, with ``compile``): the compiled
+        exact estimate's graph too, K copies of each point in one forward pass."""
         def local(x: torch.Tensor) -> None:
             with gradients_allowed(), evaluating(network):
                 jacobian_norm(network, x, 1)
@@ -258,7 +306,12 @@ class LipschitzMonitor(L.Callback):
                 x = x.double().requires_grad_(True)
                 exact(x), exact(x.flip(0))
 
-        return [local, ascent_step] + ([pair_step, float64_pairs] if exact is not None else [])
+        def local_one_pass(x: torch.Tensor) -> None:
+            with gradients_allowed(), evaluating(network):
+                jacobian_norm_one_pass(network, x, one_pass)
+
+        return ([local, ascent_step] + ([local_one_pass] if one_pass else [])
+                + ([pair_step, float64_pairs] if exact is not None else []))
 
     def _pairs(self, dataset, count: int, network, bound, exact, pl_module, session,
                batch: int) -> dict[str, float]:

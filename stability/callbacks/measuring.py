@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,21 +70,22 @@ class Session:
             raise MeasurementInterrupted(name, completed, points)
 
     @contextlib.contextmanager
-    def interruptible(self, network: nn.Module | None, name: str, completed: dict[int, Any],
+    def interruptible(self, network: nn.Module | Sequence[nn.Module] | None, name: str, completed: dict[int, Any],
                       points: int) -> Iterator[None]:
-        """Every forward pass of ``network`` inside the block first checks the stop signal."""
-        if network is None:
-            yield
-            return
+        """Every forward pass of ``network`` (or of each of several) inside the block first checks the stop
+        signal."""
+        networks = [] if network is None else [network] if isinstance(network, nn.Module) else list(network)
 
         def hook(module, args):
             self.check(name, completed, points)
 
-        handle = network.register_forward_pre_hook(hook, prepend=True)  # before any work the forward's hooks do
+        # before any work the forward's hooks do
+        handles = [each.register_forward_pre_hook(hook, prepend=True) for each in networks]
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     # ------------------------------------------------------------------------------------------------- resume
     def _path(self, name: str, index: int) -> Path | None:

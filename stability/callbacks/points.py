@@ -10,7 +10,7 @@ process and on several, and no point is measured twice.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,12 +79,13 @@ def gather_batches(local: dict[int, Any]) -> list[Any]:
 
 def measure_batches(dataset, count: int, batch_size: int, device: torch.device,
                     measure: Callable[[int, torch.Tensor, torch.Tensor], Any], session: Session | None = None,
-                    name: str = "", network: torch.nn.Module | None = None) -> list[Any]:
+                    name: str = "", network: torch.nn.Module | Sequence[torch.nn.Module] | None = None) -> list[Any]:
     """``measure(batch index, images, labels)`` on this process's batches, gathered from all.
 
     With a :class:`~stability.callbacks.measuring.Session`: a progress bar and a log line named ``name``, batches
     kept from an interrupted run loaded instead of measured (and each finished one kept), and a stop signal honoured
-    between batches and at every forward pass of ``network`` (:class:`~.measuring.MeasurementInterrupted`)."""
+    between batches and at every forward pass of ``network``, or of each of several
+    (:class:`~.measuring.MeasurementInterrupted`)."""
     if session is None:
         return gather_batches({index: measure(index, *load(dataset, start, stop, device))
                                for index, start, stop in my_batches(count, batch_size)})

@@ -105,6 +105,27 @@ def jacobian_norm(network: nn.Module, images: torch.Tensor, iterations: int = 10
         return _norms(jv).detach()
 
 
+def jacobian_norm_one_pass(network: nn.Module, images: torch.Tensor, num_logits: int) -> torch.Tensor:
+    """The exact ‖J_f(x)‖₂ of :func:`jacobian_norm` (``method="exact"``), its K rows from one forward and one
+    backward pass over K copies of each point, shape (B,).
+
+    Row b·K + k of the stacked batch is point b, and its output's gradient is the k-th unit vector, so the backward
+    pass returns J_f(x_b)ᵀe_k, the k-th row of point b's Jacobian, at every row (points are independent in eval
+    mode). It costs K forward passes where :func:`jacobian_norm` makes one, and keeps no graph for a second backward:
+    one fixed shape, on a :class:`~stability.robustness.fixed_batch.FixedBatch` of K·B points a compiled one, which
+    a GPU runs as two large kernels sequences instead of one forward and K backward passes."""
+    batch = images.shape[0]
+    with torch.enable_grad():
+        x = images.detach().repeat_interleave(num_logits, dim=0).requires_grad_(True)  # (B·K, ...)
+        out = network(x)
+        if out.shape != (batch * num_logits, num_logits):
+            raise ValueError(f"the network gives {tuple(out.shape[1:])} outputs a point; num_logits={num_logits}")
+        units = torch.eye(num_logits, dtype=out.dtype, device=out.device).repeat(batch, 1)  # e_k at row b·K + k
+        (rows,) = torch.autograd.grad(out, x, grad_outputs=units)
+    jac = rows.reshape(batch, num_logits, -1)  # (B, K, D)
+    return torch.linalg.matrix_norm(jac, ord=2).detach()
+
+
 def _num_logits(network: nn.Module, images: torch.Tensor) -> int:
     """K, the network's outputs per point (one point's forward pass)."""
     with torch.no_grad():

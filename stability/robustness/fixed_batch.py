@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 BACKEND = "inductor"  # torch.compile's backend for ``compile=True`` (tests use a faster one)
-RECOMPILE_LIMIT = 32  # dynamo's cache entries per code object, at least, once a FixedBatch compiles
+RECOMPILE_LIMIT = 64  # dynamo's cache entries per code object, at least, once a FixedBatch compiles
 
 
 class FixedBatch(nn.Module):
@@ -39,7 +39,8 @@ class FixedBatch(nn.Module):
         self.train(network.training)  # a new module starts in train mode: restoring its mode must not change the net
         if compile:
             # the network's forward is one code object for every compiled use: training (--model.compile), and
-            # three graphs per batch size here; past torch's limit (8) dynamo would quietly run it eagerly
+            # three graphs per batch size here, for the attacks and the Lipschitz estimates (--lipschitz.compile: two
+            # sizes), at fit and again at test; past torch's limit (8) dynamo would quietly run it eagerly
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # not a submodule: the compiled wrapper shares the network's parameters and must not list them twice
         self.__dict__["_run"] = torch.compile(network, backend=BACKEND, dynamic=False) if compile else network
