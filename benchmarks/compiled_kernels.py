@@ -6,9 +6,12 @@
 ``--model.compile true`` compiles the network: its forward and backward become the statements of Inductor's
 generated code that launch — its own kernels (the CPU's C++ ones standing in for a GPU's Triton ones: the fusion
 decisions are largely the same) and the library calls it keeps (matrix products, fused attention), counted in the
-code itself. The stabilizers' terms, the optimizer and the projections stay eager. So a compiled step launches
+code itself. The optimizer, the projections and most stabilizers' terms stay eager; a term that compiles whole
+(``Stabilizer.compiles_whole_term``: Specformer's) is counted the same way, from the code generated for its forward
+and backward. So a compiled step launches
 
-    the compiled network's launches + (the eager step's launches − the eager network's)
+    the compiled network's launches + the compiled terms' + (the eager step's launches − the eager network's
+    − the eager launches of the terms that compile)
 
 counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at 1 and 2
 blocks and extrapolated to the preset's depth (each count is affine in depth; the kernels do not depend on the
@@ -31,6 +34,7 @@ from step_cost import CASES, case_labels, geometry, put_weights_at_the_cap, sele
 from torch._inductor.graph import GraphLowering
 
 from stability.models.registry import PRESETS
+from stability.stabilizers.base import ForwardStep
 from stability.testing.gpu_model import count, cuda_path
 
 DEPTHS = (1, 2)
@@ -98,6 +102,10 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
                 with generated_modules() as sources:
                     network_pass(module, images, precision, compiled=True)
                 result["compiled"] = sum(wrapper_launches(source) for source in sources)
+                step = logits_step(module, images, labels)
+                with generated_modules() as sources:
+                    terms_pass(module, step)
+                result["terms compiled"] = sum(wrapper_launches(source) for source in sources)
                 continue
             optimizer = module.build_optimizer()
             train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
@@ -110,7 +118,23 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             logits.requires_grad_(True)
             tail = count(lambda t=logits: t.float().sum().backward()).launches  # network_pass's, not the network's
             result["network"] = network - tail
+            step = logits_step(module, images, labels)
+            result["terms eager"] = count(lambda m=module, s=step: terms_pass(m, s)).launches
     return result
+
+
+def terms_pass(module, step: ForwardStep) -> None:
+    """The forward and backward of the terms that compile whole (``compiles_whole_term``) on ``step``: eager on an
+    eager module, through their compiled graphs on a compiled one."""
+    whole = [stab for stab in module.stabilizers if stab.compiles_whole_term]
+    if whole:
+        sum(stab.loss(step) for stab in whole).backward()
+
+
+def logits_step(module, images: torch.Tensor, labels: torch.Tensor) -> ForwardStep:
+    """A step's forward, made before a count (the terms' counts leave the network out)."""
+    with torch.no_grad():
+        return ForwardStep(module.network, images, module.network(images), labels)
 
 
 def network_pass(module, images: torch.Tensor, precision: str, compiled: bool = False) -> None:
@@ -146,7 +170,9 @@ def main() -> None:
         if at[0]["compiled"] is None:
             rows.append([case.label, f"{eager:.0f}", "—", "—", "—", "refused compiled", "—"])
             continue
-        network, region, outside = extrapolated("network"), extrapolated("compiled"), eager - extrapolated("network")
+        network, terms = extrapolated("network"), extrapolated("terms compiled")
+        region = extrapolated("compiled") + terms
+        outside = eager - network - extrapolated("terms eager")
         compiled = compiled_steps[case.label] = region + outside
         reference = compiled_steps.get(case.reference)
         ratio = "—" if reference is None else f"{compiled / reference:.2f}×" + (
@@ -156,10 +182,12 @@ def main() -> None:
     body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at 1 and 2 blocks on {args.tokens} tokens "
             "and extrapolated (module docstring). `eager step`: the eager step's launches on the GPU's code path; "
             "`network, eager` and `network, compiled`: its forward and backward, eager and as the launching "
-            "statements of Inductor's generated code (kernels and library calls); `eager outside`: the step's other "
-            "launches (the stabilizers' terms, the optimizer, the projections; the certified losses' bound "
+            "statements of Inductor's generated code (kernels and library calls), with the terms that compile whole "
+            "(Specformer's penalty); `eager outside`: the step's other "
+            "launches (the other stabilizers' terms, the optimizer, the projections; the certified losses' bound "
             "composition, which --model.compile also compiles, is counted here eager); `compiled step`: the compiled "
-            "network and what stays eager, and its ratio to its reference compiled (step_cost.py's: the baseline, "
+            "network and terms and what stays eager, and its ratio to its reference compiled (step_cost.py's: the "
+            "baseline, "
             "plain Muon for its constraints, the certified losses' base for them), the compiled column's ratio where "
             "launches set the time. The certified losses' rows are upper bounds: their bound's composition, counted "
             "eager here (≈ 2,700 of their launches), is compiled too, into ≈ 13 kernels a block.\n\n"

@@ -69,3 +69,38 @@ def test_bad_options():
         Specformer(lam_k=-1)
     with pytest.raises(ValueError, match="blocks must be 'rows' or 'columns'"):
         Specformer(blocks="diag")
+
+
+def test_the_compiled_penalty_is_the_eager_one_step_by_step_in_one_graph(monkeypatch):
+    """``--model.compile``: the power iteration, the σ's and the weighted sum as one graph (fullgraph: no break),
+    compiled once, giving the eager penalty, its gradient and the same persistent vectors at every step (float64;
+    traced by Dynamo and AOT autograd with a counting backend)."""
+    import copy
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, **options))
+    torch._dynamo.reset()
+    nets = [build_backbone("vit", img_size=8, in_chans=1, num_classes=3, **VIT).double()]
+    nets.append(copy.deepcopy(nets[0]))
+    specs = [Specformer(lam_q=0.3, lam_k=0.0, lam_v=0.1, iterations=2) for _ in nets]
+    for spec, net in zip(specs, nets):
+        spec.prepare(net)
+        net.double()
+    specs[1].compile_terms()
+    optimizers = [torch.optim.SGD(net.parameters(), lr=0.5) for net in nets]
+    for _ in range(3):  # the weights and vectors move: every step compares the same state
+        values = []
+        for spec, net, optimizer in zip(specs, nets, optimizers):
+            optimizer.zero_grad()
+            value = spec.penalty(net)
+            value.backward()
+            values.append(value.detach())
+            optimizer.step()
+        torch.testing.assert_close(values[1], values[0], rtol=1e-12, atol=0)
+        for eager, compiled in zip(*(list(net.parameters()) + list(net.buffers()) for net in nets)):
+            torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-15)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()

@@ -102,6 +102,7 @@ class Stabilizer:
     wants_constrained_network: bool = False  # the run lists the parameters no stabilizer constrains
     conflicts: ClassVar[dict[str, str]] = {}  # stabilizers it cannot be combined with, and why (either side may say)
     takes_label_smoothing: ClassVar[bool] = True  # False: its task loss has no label-smoothed form (refused by name)
+    compiles_whole_term: ClassVar[bool] = False  # True: compile_terms() puts all of loss() into one compiled graph
 
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""
