@@ -23,6 +23,9 @@
 #               MNIST files under data/MNIST/raw
 #   workers     four short digits runs swept with --workers 1, 2, 4 on the one GPU (the sweep's speed-up; its CPU proxy
 #               is results/benchmarks/sweep_workers_cpu.md)
+#   measure     every measurement's cost per point at batch 256 (micro ViT on digits), with the attacks, the one-pass
+#               exact local estimate and the lower bound compiled (--robustness.compile, --lipschitz.compile); its CPU
+#               table is results/benchmarks/measurement_cost_compiled_cpu.md (3.9 min on 1 thread; unmeasured here)
 #   wide        the hybrid at the anchor's size (embed_dim 248: 1.98 M parameters) on the 60-epoch schedule, the study
 #               configs/experiments/mnist/certified_hybrid.yaml's run of it (MNIST under data/MNIST/raw)
 #   horizon     GloRo's 300 epochs for the 4C3F anchor and the hybrid (configs/lipcnn_mnist.yaml, configs/hybrid_mnist.yaml),
@@ -110,6 +113,11 @@ pack() {
         && say "$1: its run folder without checkpoints is $OUT/$1.tar.gz"
 }
 
+part_measure() {
+    run measure "${LIMIT_MEASURE:-420}" python benchmarks/measurement_cost.py --device cuda --batch 256 --compile \
+        --autoattack_points 0 --out "$OUT/measurement_cost.md"
+}
+
 part_wide() {
     run wide "${LIMIT_WIDE:-540}" python -m stability sweep configs/experiments/mnist/certified_hybrid.yaml \
         --sweeps_dir "$RUNS" --workers 1 --only 'model.backbone_options=embed_dim-248,trainer.max_epochs=60,seed=0'
@@ -135,7 +143,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(check phases loop steps)
 for part in "${parts[@]}"; do
     if ! declare -F "part_$part" > /dev/null; then
-        say "unknown part '$part': valid parts are check, phases, loop, steps, autoattack, workers, wide, horizon"
+        say "unknown part '$part': valid parts are check, phases, loop, steps, autoattack, workers, measure, wide, horizon"
         exit 2
     fi
 done
