@@ -22,7 +22,7 @@ from torch import nn
 
 from ..models import attention_sites
 from ..nn.precision import float32_math
-from ..nn.spectral import grouped_by_shape, power_iteration, sigma_from_vectors
+from ..nn.spectral import power_iteration, sigma_from_vectors
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
 PARTS = ("q", "k", "v")
@@ -47,27 +47,45 @@ def head_sigmas(blocks: list[torch.Tensor], us: list[torch.Tensor], vs: list[tor
     persistent vectors ``us`` (H, m) and ``vs`` (H, n), written back in place. The blocks of one shape are stacked
     and iterated in one batched call."""
     sigmas: list[torch.Tensor] = [None] * len(blocks)  # type: ignore[list-item]
-    for indices, stacked in grouped_by_shape(blocks):  # (G, H, m, n), differentiable in the weights
-        stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))
-        u = torch.stack([us[i] for i in indices]).to(stacked.dtype)
-        v = torch.stack([vs[i] for i in indices]).to(stacked.dtype)
-        if update:
-            u, v = power_iteration(stacked.detach(), u, v, iterations)
-            for j, i in enumerate(indices):
-                us[i].copy_(u[j])
-                vs[i].copy_(v[j])
-        values = sigma_from_vectors(stacked, u, v)  # (G, H)
-        for j, i in enumerate(indices):
-            sigmas[i] = values[j]
+    for indices in _groups(blocks, [None] * len(blocks)):
+        for i, value in zip(indices, _iterate_and_evaluate(blocks, us, vs, indices, update, iterations)):
+            sigmas[i] = value
     return sigmas
 
 
 def weighted_squares(blocks: list[torch.Tensor], us: list[torch.Tensor], vs: list[torch.Tensor], lams: list[float],
                      update: bool, iterations: int) -> torch.Tensor:
-    """Σ_b λ_b Σ_heads σ₁(W_b^h)² over the head blocks b (:func:`head_sigmas`; blocks with λ_b = 0 are iterated and
-    left out of the sum)."""
-    sigmas = head_sigmas(blocks, us, vs, update, iterations)
-    return sum(lam * sigma.pow(2).sum() for lam, sigma in zip(lams, sigmas) if lam > 0)
+    """Σ_b λ_b Σ_heads σ₁(W_b^h)² over the head blocks b, as :func:`head_sigmas` computes them; the blocks of one
+    shape and one λ are stacked and summed together (blocks with λ_b = 0 are iterated and left out of the sum)."""
+    total = 0.0
+    for indices in _groups(blocks, lams):
+        values = _iterate_and_evaluate(blocks, us, vs, indices, update, iterations)  # (G, H)
+        if lams[indices[0]] > 0:
+            total = total + lams[indices[0]] * values.pow(2).sum()
+    return total
+
+
+def _groups(blocks: list[torch.Tensor], tags: list) -> list[list[int]]:
+    """The indices of the blocks of each (shape, dtype, device, tag), in first-seen order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (block, tag) in enumerate(zip(blocks, tags)):
+        groups.setdefault((tuple(block.shape), block.dtype, block.device, tag), []).append(i)
+    return list(groups.values())
+
+
+def _iterate_and_evaluate(blocks: list[torch.Tensor], us: list[torch.Tensor], vs: list[torch.Tensor],
+                          indices: list[int], update: bool, iterations: int) -> torch.Tensor:
+    """One group of same-shape blocks stacked (G, H, m, n): the power-iteration step on its persistent vectors (when
+    ``update``, written back with one multi-tensor copy each), then σ = uᵀWv, (G, H), differentiable in the weights."""
+    stacked = torch.stack([blocks[i] for i in indices])
+    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))
+    u = torch.stack([us[i] for i in indices]).to(stacked.dtype)
+    v = torch.stack([vs[i] for i in indices]).to(stacked.dtype)
+    if update:
+        u, v = power_iteration(stacked.detach(), u, v, iterations)
+        torch._foreach_copy_([us[i] for i in indices], list(u.unbind(0)))
+        torch._foreach_copy_([vs[i] for i in indices], list(v.unbind(0)))
+    return sigma_from_vectors(stacked, u, v)
 
 
 @register_stabilizer
