@@ -118,7 +118,7 @@ def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
         assert outside == step - network > 0
     assert float(rows["qk_norm"][3]) > float(rows["none"][3])  # its norms are kernels of their own
     specformer, none = (list(map(float, rows[label][1:6])) for label in ("specformer", "none"))
-    assert specformer[0] - specformer[1] > 100 + none[0] - none[1]  # eager, the penalty launches over a hundred ops
+    assert specformer[0] - specformer[1] > 30 + none[0] - none[1]  # eager, the penalty launches dozens of ops
     assert 0 < specformer[2] - none[2] < 10 and specformer[3] <= none[3]  # compiled: a few kernels, nothing eager
 
 

@@ -21,9 +21,11 @@ in float32 whatever the training precision; the weights once, on the first proce
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
+from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import lightning as L
@@ -49,6 +51,24 @@ from .precision import float32_network
 
 def _saved_by(unit, images: torch.Tensor, _labels: torch.Tensor) -> int:
     return saved_for_backward(functools.partial(unit, images))
+
+
+ONE_PASS_ROWS = 2 ** 15  # the one-pass estimate's fixed batch at most (K copies a point; larger inputs are split):
+#                         fused attention kernels have failed past 65,535 rows on CUDA
+
+
+@contextlib.contextmanager
+def frozen_weights(network: torch.nn.Module, frozen: bool = True) -> Iterator[None]:
+    """The network's parameters need no gradient inside the block (restored after): a compiled backward computes the
+    gradient of every input of its graph that needs one, where eager autograd computes only those asked for."""
+    needing = [p for p in network.parameters() if p.requires_grad] if frozen else []
+    for p in needing:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in needing:
+            p.requires_grad_(True)
 
 
 class CompiledPasses(NamedTuple):
@@ -130,42 +150,62 @@ class LipschitzMonitor(L.Callback):
             self._measure(trainer, pl_module, trainer.test_dataloaders, self.test_num_points, "test")
 
     def measure_points(self, network: torch.nn.Module, index: int, images: torch.Tensor,
-                       compiled: CompiledPasses | None = None) -> dict[str, torch.Tensor]:
+                       compiled: CompiledPasses | None = None, method: str | None = None) -> dict[str, torch.Tensor]:
         """The per-point measurements of one batch (no Lightning needed); ``compiled``: the exact local estimate and
-        the lower bound through these fixed-batch networks."""
+        the lower bound through these fixed-batch networks; ``method``: the local estimate's, resolved (default: the
+        monitor's ``method``, ``auto`` resolved from the network's outputs)."""
+        method = method or self.method
         out = {}
         with gradients_allowed(), evaluating(network):
             images = images.clone()
             if compiled is not None:
-                with evaluating(compiled.local):
+                with evaluating(compiled.local), frozen_weights(network):
                     out["local"] = jacobian_norm_one_pass(compiled.local, images, compiled.num_logits)
             else:
-                out["local"] = jacobian_norm(network, images, self.iterations, self.method, seed=index)
+                out["local"] = jacobian_norm(network, images, self.iterations, method, seed=index)
             if self.exclude_patch_embed and hasattr(network.backbone, "patch_embed"):  # not the convolutional anchor
-                out["local_noembed"] = jacobian_norm(network, images, self.iterations, self.method,
+                out["local_noembed"] = jacobian_norm(network, images, self.iterations, method,
                                                      exclude_patch_embed=True, seed=index)
             if self.lower_bound:
                 ascended = network if compiled is None else compiled.points
-                with evaluating(ascended):
+                with evaluating(ascended), frozen_weights(network, compiled is not None):
                     out["lower_bound"] = empirical_lower_bound(ascended, images, seed=index)
         return out
 
+    def _jacobian_rows(self, method: str, num_logits: int) -> int:
+        """Input-sized rows a point keeps beside :data:`COPIES` for the exact local estimate: its K Jacobian rows, and
+        compiled (one pass) the K copies of the point and their gradients too."""
+        if method != "exact":
+            return 0
+        return 2 * num_logits if self.compile else num_logits
+
     def _compiled_passes(self, network: torch.nn.Module, method: str, num_logits: int, batch: int,
                          count: int) -> CompiledPasses | None:
-        """The fixed-batch compiled networks of ``--lipschitz.compile`` (None: eager), once per measurement; said once
-        where the local estimate cannot be compiled."""
+        """The fixed-batch compiled networks of ``--lipschitz.compile`` (None: eager), kept from one measurement to
+        the next while the network and the sizes are the same (their warm-up runs once); said once where the local
+        estimate cannot be compiled."""
         if not self.compile:
             return None
         if method != "exact":
             if not self._said_eager:
+                why = ("--lipschitz.method power" if self.method == "power" else
+                       f"{num_logits} logits > 2 × {self.iterations} iterations: --lipschitz.method exact forces it")
                 rank_zero_info(f"lipschitz: --lipschitz.compile runs the exact local estimate compiled; this one is "
-                               f"power iteration ({num_logits} logits > 2 × {self.iterations} iterations: "
-                               f"--lipschitz.method exact forces it), which stays eager")
+                               f"power iteration ({why}), which stays eager")
                 self._said_eager = True
             return None
         points = min(batch, count)
-        return CompiledPasses(FixedBatch(network, points * num_logits, compile=True),
-                              FixedBatch(network, points, compile=True), num_logits)
+        rows = min(points * num_logits, max(num_logits, ONE_PASS_ROWS // num_logits * num_logits))
+        kept = self.__dict__.get("_kept_passes")
+        if kept is not None and kept[0] is network and kept[1] == (rows, points, num_logits):
+            return kept[2]
+        passes = CompiledPasses(FixedBatch(network, rows, compile=True, graphs=("input",)),
+                                FixedBatch(network, points, compile=True, graphs=("no_grad", "input")), num_logits)
+        self.__dict__["_kept_passes"] = (network, (rows, points, num_logits), passes)
+        return passes
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_kept_passes"}  # compiled wrappers do not pickle
 
     def _measure(self, trainer, pl_module, loaders, num_points, stage: tags.Stage) -> None:
         if not has_finite_weights(pl_module):
@@ -179,11 +219,12 @@ class LipschitzMonitor(L.Callback):
             pairs = stage == "test" and self.pair_points and bound is not None and bound.value > 0
             batch = self._measured_batch(trainer, network, exact if pairs else None, dataset, count,
                                          pl_module.device, stage,
-                                         jacobian_rows=pl_module.hparams.num_classes if method == "exact" else 0)
+                                         jacobian_rows=self._jacobian_rows(method, pl_module.hparams.num_classes))
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("lipschitz-" + store_key(
-                    network, dataset, self.method, self.iterations, self.exclude_patch_embed, self.lower_bound,
+                    network, dataset, self.method, self.compile, self.iterations, self.exclude_patch_embed,
+                    self.lower_bound,
                     self.attention, self.attention_points, self.pair_points, self.pair_steps, count, batch))
             session = Session.of(trainer, f"lipschitz ({stage})", store)
             compiled = self._compiled_passes(network, method, pl_module.hparams.num_classes, batch, count)
@@ -193,7 +234,7 @@ class LipschitzMonitor(L.Callback):
             try:
                 batches = measure_batches(
                     dataset, count, batch, pl_module.device,
-                    lambda index, images, _: self.measure_points(network, index, images, compiled),
+                    lambda index, images, _: self.measure_points(network, index, images, compiled, method),
                     session, f"local Lipschitz estimates ({method}{', compiled' if compiled else ''})",
                     stop_checked)
             except MeasurementInterrupted as stopped:

@@ -29,12 +29,21 @@ class FixedBatch(nn.Module):
         batch_size: the one batch shape the network sees.
         compile: run the network through ``torch.compile(network, dynamic=False)``, compiled at the first call
             (:meth:`warm_up`: once per kind of forward an attack makes).
+        graphs: the kinds of forward :meth:`warm_up` compiles: ``no_grad`` (no gradient), ``weights`` (the weights'
+            gradients only) and ``input`` (the input's, with its backward); a measurement that makes fewer kinds
+            compiles only those.
     """
 
-    def __init__(self, network: nn.Module, batch_size: int, compile: bool = False) -> None:
+    GRAPHS = ("no_grad", "weights", "input")
+
+    def __init__(self, network: nn.Module, batch_size: int, compile: bool = False,
+                 graphs: tuple[str, ...] = GRAPHS) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"FixedBatch needs batch_size >= 1, got {batch_size}")
+        if not graphs or set(graphs) - set(self.GRAPHS):
+            raise ValueError(f"FixedBatch graphs must be among {list(self.GRAPHS)}, got {list(graphs)}")
+        self.graphs = tuple(graphs)
         self.network, self.batch_size = network, int(batch_size)
         self.train(network.training)  # a new module starts in train mode: restoring its mode must not change the net
         if compile:
@@ -57,11 +66,14 @@ class FixedBatch(nn.Module):
         self._warm = False
         zeros = example.detach().new_zeros(self.batch_size, *example.shape[1:])
         with gradients_allowed(), evaluating(self):  # as the attacks run it: eval mode, no TF32 (both guarded)
-            with torch.no_grad():
-                self._run(zeros)
-            self._run(zeros)  # an input that needs no gradient is a graph of its own
-            x = zeros.clone().requires_grad_(True)
-            torch.autograd.grad(self._run(x).sum(), x)
+            if "no_grad" in self.graphs:
+                with torch.no_grad():
+                    self._run(zeros)
+            if "weights" in self.graphs:
+                self._run(zeros)  # an input that needs no gradient is a graph of its own
+            if "input" in self.graphs:
+                x = zeros.clone().requires_grad_(True)
+                torch.autograd.grad(self._run(x).sum(), x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not len(x):

@@ -6,7 +6,8 @@
 σ₁ by power iteration: one step per training step, under no_grad, on persistent vectors u, v
 (buffers of each attention module, so they are in the state dict and in checkpoints), then
 σ = uᵀ W v with the gradient of W only — in float32 with autocast and TF32 off, whatever the
-training precision (the weights are float32 under mixed precision; bf16 would round σ by ~2⁻⁸).
+training precision (the weights are float32 under mixed precision; bf16 would round σ by ~2⁻⁸); its gradient
+2λσ·u vᵀ is formed in the backward pass, under the run's matmul setting.
 
 Heads: by default W^h is the true per-head projection, a block of d output rows of the fused
 qkv weight. ``blocks="columns"`` slices the part's (H·d × D) weight into H column blocks of
@@ -168,7 +169,7 @@ class Specformer(Stabilizer):
             return penalty(blocks, us, vs, lams, update, self.iterations)
 
     def compile_terms(self) -> None:
-        """Trained compiled: the penalty as one compiled graph (≈ 440 eager launches a step on ViT-S)."""
+        """Trained compiled: the penalty as one compiled graph (≈ 100 eager launches a step on ViT-S)."""
         self._compiled = True
 
     def __getstate__(self) -> dict:
