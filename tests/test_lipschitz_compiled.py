@@ -128,3 +128,18 @@ def test_frozen_weights_need_no_gradient_inside_and_theirs_again_after_even_on_a
     assert [p.requires_grad for p in network.parameters()] == [True, True, True, False]
     with frozen_weights(network, frozen=False):
         assert network[0].weight.requires_grad
+
+
+def test_the_compiled_passes_are_kept_for_the_same_network_and_sizes_and_split_past_two_to_the_fifteen_rows():
+    from stability.callbacks.lipschitz_monitor import ONE_PASS_ROWS, LipschitzMonitor
+
+    monitor = LipschitzMonitor(compile=True)
+    network, other = torch.nn.Linear(4, 10), torch.nn.Linear(4, 10)
+    passes = monitor._compiled_passes(network, "exact", 10, 64, 100)
+    assert (passes.local.batch_size, passes.points.batch_size) == (640, 64)
+    assert passes.local.graphs == ("input",) and passes.points.graphs == ("no_grad", "input")
+    assert monitor._compiled_passes(network, "exact", 10, 64, 100) is passes  # warmed up once
+    assert monitor._compiled_passes(other, "exact", 10, 64, 100) is not passes
+    large = monitor._compiled_passes(other, "exact", 10, 5000, 5000)
+    assert large.local.batch_size == ONE_PASS_ROWS // 10 * 10 == 32760  # 50,000 rows go in two calls
+    assert LipschitzMonitor(compile=False)._compiled_passes(network, "exact", 10, 64, 100) is None

@@ -49,6 +49,8 @@ def test_the_one_pass_exact_norm_is_the_exact_norm_also_padded_to_a_fixed_batch(
     padded = FixedBatch(network, 32)  # 30 rows and 2 zero images: one shape whatever the number of points
     torch.testing.assert_close(jacobian_norm_one_pass(padded, images, 10), exact, rtol=1e-10, atol=0)
     torch.testing.assert_close(jacobian_norm_one_pass(padded, images[:2], 10), exact[:2], rtol=1e-10, atol=0)
+    split = FixedBatch(network, 8)  # 30 rows in four calls, a point's copies across two of them
+    torch.testing.assert_close(jacobian_norm_one_pass(split, images, 10), exact, rtol=1e-10, atol=0)
     with pytest.raises(ValueError, match=r"the network gives \(10,\) outputs a point; num_logits=9"):
         jacobian_norm_one_pass(network, images, 9)
 
