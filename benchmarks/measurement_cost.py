@@ -26,12 +26,11 @@ from collections.abc import Callable
 import torch
 from common import arguments, build_module, digits, interleaved, markdown, setup, train_epochs, train_step, write
 
-from stability.callbacks.lipschitz_monitor import frozen_weights
 from stability.lipschitz import empirical_lower_bound, jacobian_norm, jacobian_norm_one_pass
 from stability.lipschitz.attention import attention_diagnostics
 from stability.lipschitz.certified import certified_bound
 from stability.robustness import AttackSpec, certified_radii, robust_accuracy
-from stability.robustness.attacks import evaluating, gradients_allowed
+from stability.robustness.attacks import evaluating, frozen_weights, gradients_allowed
 from stability.robustness.fixed_batch import FixedBatch, attacked_network
 from stability.testing.gpu_model import count
 

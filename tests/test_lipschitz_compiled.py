@@ -117,7 +117,7 @@ def test_inductor_compiled_one_pass_on_the_gpu_is_the_eager_exact_norm():
 
 
 def test_frozen_weights_need_no_gradient_inside_and_theirs_again_after_even_on_an_error():
-    from stability.callbacks.lipschitz_monitor import frozen_weights
+    from stability.robustness.attacks import frozen_weights
 
     network = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
     network[1].bias.requires_grad_(False)  # a parameter frozen before stays frozen

@@ -21,11 +21,9 @@ in float32 whatever the training precision; the weights once, on the first proce
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import lightning as L
@@ -39,7 +37,7 @@ from ..lipschitz.attention import MEAN_STATISTICS, point_statistics, pool
 from ..lipschitz.local import METHODS, local_method
 from ..lipschitz.pairs import certified_pair_constants, margin_lower_bound
 from ..nn.spectral import rms_scale, spectral_norms
-from ..robustness.attacks import evaluating, gradients_allowed, input_gradient
+from ..robustness.attacks import evaluating, frozen_weights, gradients_allowed, input_gradient
 from ..robustness.batch_memory import largest_batch, unit_bytes
 from ..robustness.fixed_batch import FixedBatch
 from ..testing.profiling import saved_for_backward
@@ -55,20 +53,6 @@ def _saved_by(unit, images: torch.Tensor, _labels: torch.Tensor) -> int:
 
 ONE_PASS_ROWS = 2 ** 15  # the one-pass estimate's fixed batch at most (K copies a point; larger inputs are split):
 #                         fused attention kernels have failed past 65,535 rows on CUDA
-
-
-@contextlib.contextmanager
-def frozen_weights(network: torch.nn.Module, frozen: bool = True) -> Iterator[None]:
-    """The network's parameters need no gradient inside the block (restored after): a compiled backward computes the
-    gradient of every input of its graph that needs one, where eager autograd computes only those asked for."""
-    needing = [p for p in network.parameters() if p.requires_grad] if frozen else []
-    for p in needing:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in needing:
-            p.requires_grad_(True)
 
 
 class CompiledPasses(NamedTuple):

@@ -100,6 +100,23 @@ def gradients_allowed() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def frozen_weights(network: torch.nn.Module, frozen: bool = True) -> Iterator[None]:
+    """The network's parameters need no gradient inside the block (restored after). A measurement differentiates with
+    respect to its inputs only, but a compiled backward computes the gradient of every input of its graph that needs
+    one, and ``loss.backward()`` (the official AutoAttack's) accumulates one into every parameter that needs one;
+    eager ``torch.autograd.grad`` computes only those asked for."""
+    needing = [p for p in network.parameters() if p.requires_grad] if frozen else []
+    for p in needing:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in needing:
+            p.requires_grad_(True)
+
+
+
 def input_gradient(network: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                    weights: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, ...]:
     """An attack's unit of work: the cross-entropy's gradient at ``images`` (and at ``weights``, as FAB's backward
@@ -156,7 +173,7 @@ def survivors(network: nn.Module, images: torch.Tensor, labels: torch.Tensor, sp
     A point the network gets wrong is not robust, whatever an attack does to it: x itself lies in its ε-ball,
     so robust accuracy ≤ clean accuracy on the same points (FGSM or PGD can push a wrong point into the right
     class; the official AutoAttack never attacks wrong points)."""
-    with gradients_allowed(), evaluating(network):
+    with gradients_allowed(), evaluating(network), frozen_weights(network):
         images, labels = images.detach().float().clone(), labels.clone()  # ordinary tensors, even from inference mode
         clean = correct(network, images, labels)
         if spec.eps == 0:
