@@ -99,7 +99,7 @@ def test_inductor_compiled_one_pass_on_the_gpu_is_the_eager_exact_norm():
     through the compiled fixed batch equals the eager K-backward norm to float32 rounding."""
     from stability.classifier import ImageClassifier
     from stability.lipschitz import jacobian_norm, jacobian_norm_one_pass
-    from stability.robustness.attacks import evaluating, gradients_allowed
+    from stability.robustness.attacks import evaluating, frozen_weights, gradients_allowed
     from stability.robustness.fixed_batch import FixedBatch
 
     torch.manual_seed(0)
@@ -107,8 +107,8 @@ def test_inductor_compiled_one_pass_on_the_gpu_is_the_eager_exact_norm():
                               ).network.cuda().eval()
     images = torch.rand(24, 1, 8, 8, device="cuda")
     torch._dynamo.reset()
-    compiled = FixedBatch(network, 16 * 10, compile=True)
-    with gradients_allowed(), evaluating(network), evaluating(compiled):
+    compiled = FixedBatch(network, 16 * 10, compile=True, graphs=("input",))  # as --lipschitz.compile: one graph
+    with gradients_allowed(), evaluating(network), evaluating(compiled), frozen_weights(network):
         exact = jacobian_norm(network, images, method="exact")
         got = torch.cat([jacobian_norm_one_pass(compiled, images[:16], 10),
                          jacobian_norm_one_pass(compiled, images[16:], 10)])  # the second batch padded
