@@ -75,6 +75,8 @@ class TrainingBound:
         self._power = SubspaceIteration([(network, f"{self.owner}_{i}") for i in range(len(self._names))],
                                         [tuple(m.shape) for m in matrices.values()])
         self._power.step([m.detach() for m in matrices.values()], iterations=30)  # warm start
+        if self.compiled:
+            self._power.compile()
 
     def estimated_sigmas(self, network: nn.Module) -> dict[str, torch.Tensor]:
         """σ̂ = uᵀWv of every matrix of the bound after the step's power iteration, float32, differentiable in W.
@@ -142,9 +144,12 @@ class TrainingBound:
         """Compose the estimates into the bound in one compiled graph (``--model.compile``). The composition is a
         recursion over the blocks of a few dozen operators on scalars and per-head vectors each, and twice that in
         its backward (≈ 160 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
-        ≈ 13 kernels a block (counted on the CPU: 32 at depth 2, 83 at depth 6). The power iteration before it
-        stays eager (its IEEE-float32 blocks set torch's matmul precision, which a graph cannot)."""
+        ≈ 13 kernels a block (counted on the CPU: 32 at depth 2, 83 at depth 6). The power iteration before it is
+        compiled too, as one graph of its own (:meth:`SubspaceIteration.compile`), called inside the IEEE-float32
+        context, which sets torch's matmul precision (something a graph cannot do)."""
         self.compiled = True
+        if self._power is not None:
+            self._power.compile()
 
     def composition(self):
         """:func:`composed_bound`, compiled (once) where :meth:`compile` asked for it."""

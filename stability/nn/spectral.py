@@ -100,6 +100,8 @@ class SubspaceIteration:
         if len(homes) != len(shapes):
             raise ValueError(f"one home per matrix: {len(homes)} homes for {len(shapes)} shapes")
         self.homes = list(homes)
+        self.compiled = False  # :meth:`compile`: every later step one compiled graph
+        self._compiled_step = None
         generator = torch.Generator().manual_seed(seed)
         for (module, prefix), (m, n) in zip(self.homes, shapes):
             if hasattr(module, f"{prefix}_basis"):
@@ -118,31 +120,64 @@ class SubspaceIteration:
         module, prefix = self.homes[index]
         return getattr(module, f"{prefix}_basis")
 
+    def compile(self) -> None:
+        """Run every later :meth:`step` as one compiled graph (``--model.compile``), called inside the float32
+        context (which sets torch's matmul precision, something a graph cannot do)."""
+        self.compiled = True
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_compiled_step": None}  # a compiled function does not pickle
+
     @torch.no_grad()
     def step(self, matrices: list[torch.Tensor], iterations: int = 1) -> list[TopSingular]:
         """``iterations`` subspace steps on ``matrices`` (their current values, in the order given at
         construction), then the top Ritz pair; one :class:`TopSingular` per shape. The Ritz step's small
         eigenproblems (b × b, the same b for every matrix at least ``block`` wide) are solved for all shapes at once:
-        a model's dozen shapes take one set of launches, not a dozen."""
-        pending = []
+        a model's dozen shapes take one set of launches, not a dozen. Compiled (:meth:`compile`), one graph."""
+        matrices = [w.detach() for w in matrices]
+        groups = shape_groups(matrices)
+        run = subspace_step
+        if getattr(self, "compiled", False):  # (an object pickled before compiling existed has no flag)
+            if getattr(self, "_compiled_step", None) is None:
+                self._compiled_step = torch.compile(subspace_step, fullgraph=True, dynamic=False)
+            run = self._compiled_step
         with float32_math(matrices[0].device.type):
-            for indices, stacked in grouped_by_shape([w.detach() for w in matrices]):
-                w = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # (G, m, n), float32 at least
-                basis = torch.stack([self.basis(i) for i in indices]).to(w.dtype)  # (G, n, b)
-                for _ in range(max(1, iterations)):
-                    basis = _orthonormal(w.mT @ (w @ basis), basis)
-                torch._foreach_copy_([self.basis(i) for i in indices], list(basis.unbind(0)))
-                images = w @ basis  # (G, m, b)
-                pending.append((indices, w, basis, images))
-            tops = _top_eigenvectors([images.mT @ images for _, _, _, images in pending])  # each (G, b)
-            groups = []
-            for (indices, w, basis, images), x in zip(pending, tops):
-                v, wv = (basis @ x.unsqueeze(-1)).squeeze(-1), (images @ x.unsqueeze(-1)).squeeze(-1)
-                v_norm = v.norm(dim=-1).clamp_min(torch.finfo(w.dtype).tiny)
-                sigma = wv.norm(dim=-1) / v_norm
-                u = wv / (sigma * v_norm).clamp_min(torch.finfo(w.dtype).tiny).unsqueeze(-1)
-                groups.append(TopSingular(indices, w, sigma, u, v / v_norm.unsqueeze(-1)))
-        return groups
+            results = run(matrices, [self.basis(i) for i in range(len(matrices))], groups, max(1, iterations))
+        return [TopSingular(indices, *result) for indices, result in zip(groups, results)]
+
+
+def shape_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of the tensors of each (shape, dtype, device), in first-seen order (as :func:`grouped_by_shape`)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    return list(groups.values())
+
+
+def subspace_step(matrices: list[torch.Tensor], bases: list[torch.Tensor], groups: list[list[int]],
+                  iterations: int) -> list[tuple[torch.Tensor, ...]]:
+    """:meth:`SubspaceIteration.step`'s work on plain tensors (inside :func:`~.precision.float32_math`): for each group
+    of same-shape matrices, ``iterations`` orthonormalised products into their bases (written back in place), then
+    the top Ritz pair; (W as a float32-at-least stack, σ, u, v) per group."""
+    pending = []
+    for indices in groups:
+        stacked = torch.stack([matrices[i] for i in indices])
+        w = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # (G, m, n), float32 at least
+        basis = torch.stack([bases[i] for i in indices]).to(w.dtype)  # (G, n, b)
+        for _ in range(iterations):
+            basis = _orthonormal(w.mT @ (w @ basis), basis)
+        torch._foreach_copy_([bases[i] for i in indices], list(basis.unbind(0)))
+        images = w @ basis  # (G, m, b)
+        pending.append((w, basis, images))
+    tops = _top_eigenvectors([images.mT @ images for _, _, images in pending])  # each (G, b)
+    results = []
+    for (w, basis, images), x in zip(pending, tops):
+        v, wv = (basis @ x.unsqueeze(-1)).squeeze(-1), (images @ x.unsqueeze(-1)).squeeze(-1)
+        v_norm = v.norm(dim=-1).clamp_min(torch.finfo(w.dtype).tiny)
+        sigma = wv.norm(dim=-1) / v_norm
+        u = wv / (sigma * v_norm).clamp_min(torch.finfo(w.dtype).tiny).unsqueeze(-1)
+        results.append((w, sigma, u, v / v_norm.unsqueeze(-1)))
+    return results
 
 
 def _top_eigenvectors(grams: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -218,6 +218,12 @@ class MuonConstrained(Stabilizer):
         self._muon: torch.optim.Optimizer | None = None
         self.last_alpha = 0.0
 
+    def compile_terms(self) -> None:
+        """Trained compiled: the per-step power iteration of the projection (a block power iteration with
+        Rayleigh–Ritz over every weight) as one compiled graph."""
+        if self._power is not None:
+            self._power.compile()
+
     def prepare(self, network: nn.Module) -> None:
         """Split fused qkv projections, constrain the matrices from the start (exactly: this runs once)."""
         if self.split_qkv:

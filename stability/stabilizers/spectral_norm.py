@@ -124,6 +124,12 @@ class SpectralNorm(Stabilizer):
         self.exact_computations = 0  # exact σ₁'s computed (``exact``: per step, where the bound reaches the cap)
         self._warned = False
 
+    def compile_terms(self) -> None:
+        """Trained compiled: the per-step power iteration of the projection (a block power iteration with
+        Rayleigh–Ritz over every weight) as one compiled graph."""
+        if self._power is not None:
+            self._power.compile()
+
     def prepare(self, network: nn.Module) -> None:
         linears = linear_layers(network, self.layers)
         if not linears:
