@@ -123,6 +123,22 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
     return result
 
 
+def power_iteration_launches(size: str, tokens: int) -> tuple[int, int, int]:
+    """The block power iteration of spectral_norm's projection over every Linear weight of the ViT preset (the
+    :class:`~stability.nn.spectral.SubspaceIteration` step that Muon's constraints and the certified losses' bound
+    also take): (weights, its eager launches, the launches of its compiled graph), counted at the preset's depth."""
+    image_size, options = geometry("vit", size, tokens)
+    module, _ = build_module("vit", size, "spectral_norm", image_size=image_size, device=torch.device("cpu"),
+                             backbone_options=options)
+    power, weights = module.stabilizers[0]._power, module.stabilizers[0]._weights()
+    eager = count(lambda: power.step(weights, 1)).launches
+    power.compile()
+    torch._dynamo.reset()
+    with generated_modules() as sources:
+        power.step(weights, 1)
+    return len(weights), eager, sum(wrapper_launches(source) for source in sources)
+
+
 def terms_pass(module, step: ForwardStep) -> None:
     """The forward and backward of the terms that compile whole (``compiles_whole_term``) on ``step``: eager on an
     eager module, through their compiled graphs on a compiled one."""
@@ -193,6 +209,11 @@ def main() -> None:
             "eager here (≈ 2,700 of their launches), is compiled too, into ≈ 13 kernels a block.\n\n"
             + markdown(["row", "eager step", "network, eager", "network, compiled", "eager outside",
                         "compiled step", "× its reference, compiled"], rows))
+    matrices, eager, compiled = power_iteration_launches(args.size, args.tokens)
+    body += (f"\n\nThe block power iteration alone (spectral_norm's projection over the {matrices} Linear weights of "
+             f"ViT-{args.size}; Muon's constraints and the certified losses' bound take the same step), which "
+             f"`--model.compile` compiles into one graph of its own: {eager:.0f} launches eager, {compiled} compiled. "
+             "The rows above count it eager, inside `eager outside`.")
     write("compiled_kernels", args, device, "The compiled step's launches, counted on the CPU", body)
 
 
