@@ -219,3 +219,41 @@ def test_on_a_gpu_compiled_attacks_and_autoattack_match_eager(vit, digits):
     torch.testing.assert_close(through, eager, rtol=0, atol=1e-4)
     assert dict(checks.funcs) == before
     torch._dynamo.reset()
+
+
+def test_every_compiled_call_runs_frozen_so_wrappers_sharing_graphs_never_mix_the_weights_states(vit, digits,
+                                                                                                  counted):
+    """torch does not recompile when a weight's requires_grad changes, and wrappers of one network at one size share
+    its graphs: a graph compiled frozen (a Lipschitz pass) then serves the AutoAttack plan's timed pass, and one
+    compiled unfrozen would serve the attacks. Every compiled call is frozen, so the plan's pass runs (it failed:
+    "One of the differentiated Tensors appears to not have been used in the graph"), the weights need their gradients
+    again after each call, and the attacks leave no gradient on them."""
+    from stability.robustness.autoattack_cost import network_pass_seconds
+
+    vit.zero_grad(set_to_none=True)  # (the fixture's training left gradients)
+    images, labels = correct_points(vit, digits)
+    first, second = FixedBatch(vit, 8, compile=True), FixedBatch(vit, 8, compile=True)
+    with gradients_allowed(), evaluating(first):
+        first(images.clone().requires_grad_(True)).sum().backward()
+    assert all(p.requires_grad and p.grad is None for p in vit.parameters())
+    timed = network_pass_seconds(second, images, labels)
+    assert all(t > 0 for t in timed) and all(p.requires_grad for p in vit.parameters())
+    settings = AttackSettings(10, 2, None, "standard", 0)
+    survivors(second, images, labels, AttackSpec("autoattack", "Linf", 8 / 255), settings)
+    assert all(p.grad is None for p in vit.parameters())  # FAB's backward() no longer reaches them
+
+
+def correct_points(vit, digits, count: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Points the network classifies correctly: the ones an attack works on."""
+    images, labels = digits.train_set.tensors
+    with torch.no_grad():
+        right = vit.eval()(images).argmax(-1) == labels
+    return images[right][:count], labels[right][:count]
+
+
+def test_an_attack_leaves_no_gradient_on_the_weights(vit, digits):
+    """Eager too: the official AutoAttack calls backward(), which used to accumulate every weight's gradient."""
+    vit.zero_grad(set_to_none=True)  # (the fixture's training left gradients)
+    images, labels = correct_points(vit, digits)
+    survivors(vit, images, labels, AttackSpec("autoattack", "Linf", 8 / 255), AttackSettings(10, 2, None))
+    assert all(p.grad is None and p.requires_grad for p in vit.parameters())

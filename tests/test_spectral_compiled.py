@@ -1,6 +1,7 @@
 """The block power iteration compiled (``--model.compile``): one graph, the eager step's bases, σ's and vectors."""
 import copy
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -68,4 +69,32 @@ def test_the_projections_power_iteration_trains_compiled_to_the_eager_weights(mo
             module.after_optimizer_step(0)
     for a, b in zip(eager.network.parameters(), compiled.network.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert compiled.stabilizers[0]._power._compiled_step is not None  # the projection did take the compiled step
+    assert eager.stabilizers[0]._power._compiled_step is None
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_inductor_compiles_the_subspace_step_on_the_gpu_to_the_eager_one():
+    """The default backend's kernels on CUDA (Cholesky and the triangular solve inside the graph, the bases written
+    back in place), IEEE float32: three steps give the eager bases, σ, u and v to float32 rounding."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(48, 64), (48, 64), (64, 32)]
+    homes = [torch.nn.Module() for _ in shapes]
+    eager = SubspaceIteration([(m, "p") for m in homes], shapes)
+    twin_homes = copy.deepcopy(homes)
+    compiled = SubspaceIteration([(m, "p") for m in twin_homes], shapes)
+    for module in homes + twin_homes:
+        module.cuda()
+    torch._dynamo.reset()
+    compiled.compile()
+    matrices = [torch.randn(*shape, generator=generator).cuda() for shape in shapes]
+    for _ in range(3):
+        for a, b in zip(eager.step(matrices, 1), compiled.step(matrices, 1)):
+            for x, y in ((a.sigma, b.sigma), (a.u, b.u), (a.v, b.v)):
+                torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+        for i in range(len(shapes)):
+            torch.testing.assert_close(compiled.basis(i), eager.basis(i), rtol=1e-4, atol=1e-5)
+        matrices = [m + 0.1 * torch.randn(m.shape, generator=generator).cuda() for m in matrices]
+    assert compiled._compiled_step is not None
     torch._dynamo.reset()

@@ -122,8 +122,11 @@ class SubspaceIteration:
 
     def compile(self) -> None:
         """Run every later :meth:`step` as one compiled graph (``--model.compile``), called inside the float32
-        context (which sets torch's matmul precision, something a graph cannot do)."""
+        context (which sets torch's matmul precision, something a graph cannot do). Every instance shares the one
+        compiled function, an entry per configuration (shapes, dtype, device, iterations): its limit is raised as
+        :class:`~stability.robustness.fixed_batch.FixedBatch` raises it."""
         self.compiled = True
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_compiled_step": None}  # a compiled function does not pickle
@@ -178,6 +181,9 @@ def subspace_step(matrices: list[torch.Tensor], bases: list[torch.Tensor], group
         u = wv / (sigma * v_norm).clamp_min(torch.finfo(w.dtype).tiny).unsqueeze(-1)
         results.append((w, sigma, u, v / v_norm.unsqueeze(-1)))
     return results
+
+
+RECOMPILE_LIMIT = 64  # dynamo's cache entries per code object, at least, once a SubspaceIteration compiles
 
 
 def _top_eigenvectors(grams: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -106,7 +106,8 @@ def frozen_weights(network: torch.nn.Module, frozen: bool = True) -> Iterator[No
     respect to its inputs only, but a compiled backward computes the gradient of every input of its graph that needs
     one, and ``loss.backward()`` (the official AutoAttack's) accumulates one into every parameter that needs one;
     eager ``torch.autograd.grad`` computes only those asked for."""
-    needing = [p for p in network.parameters() if p.requires_grad] if frozen else []
+    # (an inference tensor cannot take requires_grad back outside inference mode; it needs no gradient anyway)
+    needing = [p for p in network.parameters() if p.requires_grad and not p.is_inference()] if frozen else []
     for p in needing:
         p.requires_grad_(False)
     try:
@@ -116,11 +117,11 @@ def frozen_weights(network: torch.nn.Module, frozen: bool = True) -> Iterator[No
             p.requires_grad_(True)
 
 
-
 def input_gradient(network: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                    weights: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, ...]:
-    """An attack's unit of work: the cross-entropy's gradient at ``images`` (and at ``weights``, as FAB's backward
-    reaches them), through ``torch.autograd.grad`` (no ``.grad`` is touched). Copies of the inputs are ordinary
+    """An attack's unit of work: the cross-entropy's gradient at ``images`` (and at ``weights``: FAB's backward
+    reaches them on a network whose weights need gradients; the monitors' attacks freeze them), through
+    ``torch.autograd.grad`` (no ``.grad`` is touched). Copies of the inputs are ordinary
     tensors, also when they were made under inference mode; call it inside :func:`gradients_allowed`."""
     x = images.detach().clone().requires_grad_(True)
     loss = nn.functional.cross_entropy(network(x), labels.clone())

@@ -7,7 +7,8 @@ Counted with a model that no attack breaks (tests/test_autoattack_cost.py counts
 per batch, as (calls with a backward pass, calls without):
 
 * standard: APGD-CE (101, 10), APGD-T 9 targets (909, 19), FAB-T (900, 937; its backward also reaches the network's
-  weights), Square 5,000 queries (0, 5,012): 1,910 and 5,978, 7,888 in all;
+  weights where they need gradients, which the monitors' attacks freeze), Square 5,000 queries (0, 5,012): 1,910 and
+  5,978, 7,888 in all;
 * plus: APGD-CE and APGD-DLR with 5 restarts, FAB with 5 (untargeted: a backward pass per class at each of its
   calls), Square, APGD-T, FAB-T;
 * rand: APGD-CE and APGD-DLR with 20 EOT draws each;
@@ -115,25 +116,20 @@ def _overheads(images: torch.Tensor, classes: int, norm: str, eps: float, versio
 
 
 def network_pass_seconds(network: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    """(forward and a full backward, forward alone) of ``network`` on the batch ``images``, in seconds: the slower
-    of two timed passes after a warm-up. The backward reaches every weight, as FAB's does (through
-    ``torch.autograd.grad``: the weights' ``.grad`` are left alone)."""
-    from ..nn.aol import is_frozen
-    from .attacks import evaluating, gradients_allowed, input_gradient
+    """(forward and a backward to the input, forward alone) of ``network`` on the batch ``images``, in seconds: the
+    slower of two timed passes after a warm-up, with the weights frozen, as every attack runs
+    (:func:`~.attacks.survivors`; FAB's backward then stops at the input too)."""
+    from .attacks import evaluating, frozen_weights, gradients_allowed, input_gradient
 
-    weights: list[torch.Tensor] = []
-
-    def forward_backward() -> None:  # every weight's gradient, as FAB's backward; nothing accumulated
-        input_gradient(network, images, labels, weights)
+    def forward_backward() -> None:
+        input_gradient(network, images, labels)
 
     def forward() -> None:
         with torch.no_grad():
             network(images)
 
     times = []
-    with gradients_allowed(), evaluating(network):
-        # AOL's frozen effective weights take no gradient (nor do they in FAB's backward)
-        weights[:] = [p for p in network.parameters() if p.requires_grad and not is_frozen(p)]
+    with gradients_allowed(), evaluating(network), frozen_weights(network):
         for step in (forward_backward, forward):
             step()  # warm-up
             times.append(max(seconds(step, images.device) for _ in range(2)))  # the slower of two

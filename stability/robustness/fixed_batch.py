@@ -53,7 +53,7 @@ class FixedBatch(nn.Module):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # not a submodule: the compiled wrapper shares the network's parameters and must not list them twice
         self.__dict__["_run"] = torch.compile(network, backend=BACKEND, dynamic=False) if compile else network
-        self._warm = bool(compile)
+        self._warm = self._compiled = bool(compile)
 
     def warm_up(self, example: torch.Tensor) -> None:
         """Compile every graph an attack calls now, on zero images shaped like ``example``'s: the forward without
@@ -61,11 +61,11 @@ class FixedBatch(nn.Module):
         call, so that nothing compiles inside an attack: the official AutoAttack's check for dynamic defences traces
         the first forward it runs and counts calls named ``backward`` or ``grad``, which compiling a backward makes;
         its counter is never reset, so it would warn at every later run in the process."""
-        from .attacks import evaluating, gradients_allowed
+        from .attacks import evaluating, frozen_weights, gradients_allowed
 
         self._warm = False
         zeros = example.detach().new_zeros(self.batch_size, *example.shape[1:])
-        with gradients_allowed(), evaluating(self):  # as the attacks run it: eval mode, no TF32 (both guarded)
+        with gradients_allowed(), evaluating(self), frozen_weights(self.network):  # as every compiled call runs
             if "no_grad" in self.graphs:
                 with torch.no_grad():
                     self._run(zeros)
@@ -74,6 +74,16 @@ class FixedBatch(nn.Module):
             if "input" in self.graphs:
                 x = zeros.clone().requires_grad_(True)
                 torch.autograd.grad(self._run(x).sum(), x)
+
+    def _frozen(self):
+        """Compiled, the network's weights need no gradient while its graph runs (:func:`~.attacks.frozen_weights`):
+        torch does not recompile when a weight's ``requires_grad`` changes, so a graph compiled with the weights
+        trainable would compute their gradients in every backward, and one compiled frozen would fail a caller that
+        asks for them. Every compiled call is frozen (measurements differentiate with respect to their inputs only);
+        the autograd graph it builds keeps that, whatever the weights need after it."""
+        from .attacks import frozen_weights
+
+        return frozen_weights(self.network, self._compiled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not len(x):
@@ -87,7 +97,8 @@ class FixedBatch(nn.Module):
             missing = size - len(part)
             if missing:
                 part = torch.cat([part, part.new_zeros(missing, *part.shape[1:])])
-            out = self._run(part)
+            with self._frozen():
+                out = self._run(part)
             outputs.append(out[:size - missing] if missing else out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
