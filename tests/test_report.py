@@ -424,3 +424,16 @@ def test_a_worst_case_is_averaged_over_runs_that_ran_the_same_attacks(tmp_path):
     row = table_rows((tmp_path / "out" / "report.md").read_text())["(base)"]
     assert row["worst_L2_0.5"] == "0.5 (1/2)" and row["autoattack_L2_0.5"] == "0.5 (1/2)"
     assert row["pgd_L2_0.5"] == f"{0.7:.3g} ± {statistics.stdev([0.8, 0.6]):.2g}"
+
+
+def test_a_table_whose_runs_measured_the_local_norm_differently_says_so():
+    """results.json's ``local_method`` (absent: power iteration, as before it existed); runs without tested Lipschitz
+    values do not count."""
+    def run(lipschitz):
+        return RunRecord(Path("run"), {}, "completed", {}, {}, results={"clean_accuracy": 0.9, "lipschitz": lipschitz})
+
+    exact, older, untested = run({"local_mean": 2.0, "local_method": "exact"}), run({"local_mean": 1.9}), run({})
+    assert (exact.local_method, older.local_method, untested.local_method) == ("exact", "power", None)
+    (note, _) = report.local_methods_note([exact, older, exact, untested])
+    assert note.startswith("`Lip local` mixes methods: the exact norm in 2 runs, power iteration in 1 run")
+    assert report.local_methods_note([exact, exact, untested]) == []

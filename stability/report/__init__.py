@@ -101,6 +101,7 @@ def write_report(runs_dir: Path, out: Path, study: str, command: str, cost: str 
                "`task loss`: last epoch's training objective; `s/epoch`: training steps only. Distributions are "
                "drawn from TensorBoard's histograms, so their quantiles have the resolution of its buckets.", "",
              table(configurations), ""]
+    lines += local_methods_note(records)
     if unfinished:
         lines += unfinished_section(records, training)
     if front:
@@ -199,3 +200,19 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.BAD_INPUT
     print(f"wrote {report}")
     return 0
+
+
+def local_methods_note(records) -> list[str]:
+    """A line under the table where its runs measured ``Lip local`` by different methods (the exact norm and power
+    iteration, its lower bound), naming how many of each; nothing where they agree."""
+    methods: dict[str, int] = {}
+    for record in records:
+        if record.local_method:
+            methods[record.local_method] = methods.get(record.local_method, 0) + 1
+    if len(methods) < 2:
+        return []
+    counts = ", ".join(f"{'the exact norm' if m == 'exact' else 'power iteration'} in {n} run{'s' * (n != 1)}"
+                       for m, n in sorted(methods.items()))
+    return [f"`Lip local` mixes methods: {counts} (results.json's `local_method`). Power iteration is a lower "
+            "bound of the exact norm; with 10 iterations it came within 0.1 % of it on a trained micro ViT.", ""]
+

@@ -91,6 +91,14 @@ class RunRecord:
         values = (self.results or {}).get(part)
         return bool(values) and (part != "robustness" or "accuracy" in values)
 
+    @property
+    def local_method(self) -> str | None:
+        """How the tested local Lipschitz values were computed: ``exact`` or ``power`` (results.json's
+        ``local_method``; absent before 2026-11-29, when it was always power iteration), None without them."""
+        if not self._tested("lipschitz") or "local_mean" not in self.results["lipschitz"]:
+            return None
+        return self.results["lipschitz"].get("local_method", "power")
+
     def lipschitz(self, stat: str) -> float | None:
         if self._tested("lipschitz") and stat in self.results["lipschitz"]:
             return self.results["lipschitz"][stat]
