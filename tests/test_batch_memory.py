@@ -208,7 +208,7 @@ def test_the_lipschitz_batch_is_the_formulas_strictly_inside_the_points(monkeypa
     under DDP each process its share, decided once and broadcast."""
     import copy
 
-    from stability.lipschitz import jacobian_norm
+    from stability.lipschitz import jacobian_norm, jacobian_norm_one_pass
     from stability.lipschitz.pairs import margin_lower_bound
     from stability.robustness.attacks import evaluating, gradients_allowed
 
@@ -243,8 +243,14 @@ def test_the_lipschitz_batch_is_the_formulas_strictly_inside_the_points(monkeypa
     assert shared == by_hand([local, ascent], copies, 32, memory // 2) and said == [shared]
     rows = (COPIES + 10) * images[0].numel() * 4  # the exact estimate's Jacobian: 10 input-sized rows a point more
     with_rows = LipschitzMonitor(batch_size="memory")._measured_batch(fake_trainer(), tiny_vit, None, dataset, 64,
-                                                                      "cpu", "fit", jacobian_rows=10)
+                                                                      "cpu", "fit", exact_logits=10)
     assert with_rows == by_hand([local, ascent], rows, 64, memory) < without
+    # compiled, the one pass's graph (10 copies of each point) is a unit too, beside 20 rows a point more
+    one_pass = counted(lambda x: jacobian_norm_one_pass(tiny_vit, x, 10))
+    compiled = LipschitzMonitor(batch_size="memory", compile=True)._measured_batch(
+        fake_trainer(), tiny_vit, None, dataset, 64, "cpu", "fit", exact_logits=10)
+    assert compiled == by_hand([local, ascent, one_pass], (COPIES + 20) * images[0].numel() * 4, 64, memory)
+    assert compiled < with_rows
     assert [LipschitzMonitor(compile=c)._jacobian_rows(m, 10) for c in (False, True) for m in ("exact", "power")] == [
         10, 0, 20, 0]  # compiled, the one pass also keeps the point's 10 copies and their gradients
 

@@ -203,13 +203,13 @@ class LipschitzMonitor(L.Callback):
             pairs = stage == "test" and self.pair_points and bound is not None and bound.value > 0
             batch = self._measured_batch(trainer, network, exact if pairs else None, dataset, count,
                                          pl_module.device, stage,
-                                         jacobian_rows=self._jacobian_rows(method, pl_module.hparams.num_classes))
+                                         exact_logits=pl_module.hparams.num_classes if method == "exact" else 0)
             store = None
             if stage == "test" and (path := results_path(trainer)) is not None:
                 store = path.parent / "measurements" / ("lipschitz-" + store_key(
                     network, dataset, self.method, self.compile, self.iterations, self.exclude_patch_embed,
-                    self.lower_bound,
-                    self.attention, self.attention_points, self.pair_points, self.pair_steps, count, batch))
+                    self.lower_bound, self.attention, self.attention_points, self.pair_points, self.pair_steps, count,
+                    batch))
             session = Session.of(trainer, f"lipschitz ({stage})", store)
             compiled = self._compiled_passes(network, method, pl_module.hparams.num_classes, batch, count)
             # the stop check hooks the fixed-batch wrappers where compiled: a hook on the network itself would be a new
@@ -280,27 +280,28 @@ class LipschitzMonitor(L.Callback):
                         logger.experiment.add_histogram(tag, value.float(), trainer.global_step)
 
     def _measured_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
-                        device, stage: tags.Stage, jacobian_rows: int = 0) -> int:
+                        device, stage: tags.Stage, exact_logits: int = 0) -> int:
         """The batch size: as set, or (``memory``) the largest whose estimate fits the device's memory, from the
         bytes the largest of the measurements' units of work saves (:meth:`_units`), counted on rank 0 and
-        broadcast; ``jacobian_rows`` input-sized rows a point more where the exact local estimate keeps its
-        Jacobian (K of them)."""
+        broadcast; ``exact_logits``: K where the local estimate is the exact norm, whose rows a point keeps
+        (:meth:`_jacobian_rows`), 0 where it is power iteration."""
         if self.batch_size != "memory":
             return self.batch_size
-        key = (stage, count, exact is not None, jacobian_rows)
+        key = (stage, count, exact is not None, exact_logits)
         if key not in self._sized:  # the size depends on the architecture, not on the weights: once per run
             self._sized[key] = self._memory_batch(trainer, network, exact, dataset, count, device, stage,
-                                                  jacobian_rows)
+                                                  exact_logits)
         return self._sized[key]
 
     def _memory_batch(self, trainer, network: torch.nn.Module, exact: torch.nn.Module | None, dataset, count: int,
-                      device, stage: tags.Stage, jacobian_rows: int = 0) -> int:
+                      device, stage: tags.Stage, exact_logits: int = 0) -> int:
         def size(images: torch.Tensor, labels: torch.Tensor, share: int, memory: int) -> int:
-            one_pass = jacobian_rows if self.compile else 0
+            one_pass = exact_logits if self.compile else 0
             estimates = [unit_bytes(functools.partial(_saved_by, unit), images, labels)
                          for unit in self._units(network, exact, one_pass)]
             per_point, fixed = max(e[0] for e in estimates), max(e[1] for e in estimates)
-            copies = (COPIES + jacobian_rows) * images[0].numel() * images.element_size()
+            rows = COPIES + self._jacobian_rows("exact", exact_logits)
+            copies = rows * images[0].numel() * images.element_size()
             return largest_batch(per_point, fixed, copies, share, memory)
 
         return memory_sized(trainer, dataset, count, device, size, f"lipschitz ({stage}):", "lipschitz.batch_size")
