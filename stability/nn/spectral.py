@@ -60,10 +60,7 @@ def spectral_norms(weights: list[torch.Tensor], dtype: torch.dtype = torch.float
 
 def grouped_by_shape(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
     """[(indices, stacked tensors)] for each distinct shape, in first-seen order."""
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
-    return [(indices, torch.stack([tensors[i] for i in indices])) for indices in groups.values()]
+    return [(indices, torch.stack([tensors[i] for i in indices])) for indices in shape_groups(tensors)]
 
 
 @dataclass
@@ -149,11 +146,13 @@ class SubspaceIteration:
         return [TopSingular(indices, *result) for indices, result in zip(groups, results)]
 
 
-def shape_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """The indices of the tensors of each (shape, dtype, device), in first-seen order (as :func:`grouped_by_shape`)."""
+def shape_groups(tensors: list[torch.Tensor], tags: list | None = None) -> list[list[int]]:
+    """The indices of the tensors of each (shape, dtype, device) — and tag, where ``tags`` gives each tensor one —,
+    in first-seen order."""
+    tags = [None] * len(tensors) if tags is None else tags
     groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    for i, (t, tag) in enumerate(zip(tensors, tags)):
+        groups.setdefault((tuple(t.shape), t.dtype, t.device, tag), []).append(i)
     return list(groups.values())
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..models import attention_sites
 from ..nn.precision import float32_math
-from ..nn.spectral import power_iteration, sigma_from_vectors
+from ..nn.spectral import power_iteration, shape_groups, sigma_from_vectors
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
 PARTS = ("q", "k", "v")
@@ -48,7 +48,7 @@ def head_sigmas(blocks: list[torch.Tensor], us: list[torch.Tensor], vs: list[tor
     persistent vectors ``us`` (H, m) and ``vs`` (H, n), written back in place. The blocks of one shape are stacked
     and iterated in one batched call."""
     sigmas: list[torch.Tensor] = [None] * len(blocks)  # type: ignore[list-item]
-    for indices in _groups(blocks, [None] * len(blocks)):
+    for indices in shape_groups(blocks):
         for i, value in zip(indices, _iterate_and_evaluate(blocks, us, vs, indices, update, iterations)):
             sigmas[i] = value
     return sigmas
@@ -59,19 +59,11 @@ def weighted_squares(blocks: list[torch.Tensor], us: list[torch.Tensor], vs: lis
     """Σ_b λ_b Σ_heads σ₁(W_b^h)² over the head blocks b, as :func:`head_sigmas` computes them; the blocks of one
     shape and one λ are stacked and summed together (blocks with λ_b = 0 are iterated and left out of the sum)."""
     total = 0.0
-    for indices in _groups(blocks, lams):
+    for indices in shape_groups(blocks, lams):
         values = _iterate_and_evaluate(blocks, us, vs, indices, update, iterations)  # (G, H)
         if lams[indices[0]] > 0:
             total = total + lams[indices[0]] * values.pow(2).sum()
     return total
-
-
-def _groups(blocks: list[torch.Tensor], tags: list) -> list[list[int]]:
-    """The indices of the blocks of each (shape, dtype, device, tag), in first-seen order."""
-    groups: dict[tuple, list[int]] = {}
-    for i, (block, tag) in enumerate(zip(blocks, tags)):
-        groups.setdefault((tuple(block.shape), block.dtype, block.device, tag), []).append(i)
-    return list(groups.values())
 
 
 def _iterate_and_evaluate(blocks: list[torch.Tensor], us: list[torch.Tensor], vs: list[torch.Tensor],
@@ -159,7 +151,8 @@ class Specformer(Stabilizer):
         """Σ_parts λ_part Σ_heads σ₁² after this step's power iteration (``update``); under ``--model.compile`` the
         power iteration, the σ's and the sum run as one compiled graph (:meth:`compile_terms`)."""
         keys, blocks, us, vs = self._blocks(network)
-        lams = [self._lams().get(part, 0.0) for _, part in keys]
+        by_part = self._lams()
+        lams = [by_part.get(part, 0.0) for _, part in keys]
         penalty = weighted_squares
         if self._compiled:
             if self._compiled_penalty is None:
