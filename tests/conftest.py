@@ -56,6 +56,36 @@ def tiny_vit_args() -> list[str]:
     return QUICK + SMALL_VIT
 
 
+@pytest.fixture
+def counted(monkeypatch):
+    """FixedBatch compiles counted (its backend replaced by a counting one that runs the traced graphs as they are:
+    fast, and rounding as eager); yields the counter."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from stability.robustness import fixed_batch
+
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(fixed_batch, "BACKEND", counter)
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def counted_compile(monkeypatch):
+    """Every ``torch.compile`` inside the test traced by Dynamo and AOT autograd with a counting backend (its mode
+    dropped: no Inductor); yields the counter."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **options: real_compile(fn, backend=counter,
+                                                                                         **options))
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
 def read_scalars(run_dir: Path, tag: str) -> list[float]:
     events = EventAccumulator(str(run_dir))
     events.Reload()

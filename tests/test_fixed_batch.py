@@ -9,14 +9,12 @@ import lightning as L
 import pytest
 import torch
 from pyautoattack import AutoAttack, checks
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from stability.callbacks.measuring import seconds_per_point
 from stability.classifier import ImageClassifier
 from stability.cli import main
 from stability.data import Digits
 from stability.robustness import AttackSpec
-from stability.robustness import fixed_batch as fixed_batch_module
 from stability.robustness.attacks import AttackSettings, evaluating, gradients_allowed, survivors
 from stability.robustness.fixed_batch import FixedBatch, attacked_network, paid_points
 
@@ -41,16 +39,6 @@ def vit(digits):
         torch.nn.functional.cross_entropy(network(images[batch]), labels[batch]).backward()
         optimizer.step()
     return network.eval()
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """Compiles counted, with a backend that runs the traced graphs as they are (fast, and rounds as eager)."""
-    counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(fixed_batch_module, "BACKEND", counter)
-    torch._dynamo.reset()
-    yield counter
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("points", [1, 5, 8, 13, 17])

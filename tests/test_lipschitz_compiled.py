@@ -6,23 +6,11 @@ import os
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from stability.cli import main
-from stability.robustness import fixed_batch as fixed_batch_module
 
 MEASURED = ["--lipschitz.num_points", "20", "--lipschitz.test_num_points", "20", "--lipschitz.batch_size", "8",
             "--lipschitz.attention", "false", "--robustness.every_n_epochs", "0", "--test_after_fit", "true"]
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """Compiles counted, with a backend that runs the traced graphs as they are (fast, and rounds as eager)."""
-    counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(fixed_batch_module, "BACKEND", counter)
-    torch._dynamo.reset()
-    yield counter
-    torch._dynamo.reset()
 
 
 def lipschitz_results(root):

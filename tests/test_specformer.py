@@ -71,18 +71,12 @@ def test_bad_options():
         Specformer(blocks="diag")
 
 
-def test_the_compiled_penalty_is_the_eager_one_step_by_step_in_one_graph(monkeypatch):
+def test_the_compiled_penalty_is_the_eager_one_step_by_step_in_one_graph(counted_compile):
     """``--model.compile``: the power iteration, the σ's and the weighted sum as one graph (fullgraph: no break),
     compiled once, giving the eager penalty, its gradient and the same persistent vectors at every step (float64;
     traced by Dynamo and AOT autograd with a counting backend)."""
     import copy
 
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    counter = CompileCounterWithBackend("aot_eager")
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, **options))
-    torch._dynamo.reset()
     nets = [build_backbone("vit", img_size=8, in_chans=1, num_classes=3, **VIT).double()]
     nets.append(copy.deepcopy(nets[0]))
     specs = [Specformer(lam_q=0.3, lam_k=0.0, lam_v=0.1, iterations=2) for _ in nets]
@@ -102,5 +96,4 @@ def test_the_compiled_penalty_is_the_eager_one_step_by_step_in_one_graph(monkeyp
         torch.testing.assert_close(values[1], values[0], rtol=1e-12, atol=0)
         for eager, compiled in zip(*(list(net.parameters()) + list(net.buffers()) for net in nets)):
             torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-15)
-    assert counter.frame_count == 1
-    torch._dynamo.reset()
+    assert counted_compile.frame_count == 1

@@ -3,18 +3,13 @@ import copy
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from stability.nn.spectral import SubspaceIteration
 
 
-def test_a_compiled_subspace_step_is_the_eager_one_step_by_step_in_one_graph(monkeypatch):
+def test_a_compiled_subspace_step_is_the_eager_one_step_by_step_in_one_graph(counted_compile):
     """float64 matrices of two shapes, moved between steps: the compiled step (traced by Dynamo and AOT autograd,
     fullgraph) writes the eager bases back and returns the eager σ, u, v at every step, compiling once."""
-    counter = CompileCounterWithBackend("aot_eager")
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, **options))
-    torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
     shapes = [(12, 16), (12, 16), (16, 8)]
     homes = [torch.nn.Module() for _ in shapes]
@@ -35,22 +30,16 @@ def test_a_compiled_subspace_step_is_the_eager_one_step_by_step_in_one_graph(mon
         for i in range(len(shapes)):
             torch.testing.assert_close(compiled.basis(i), eager.basis(i), rtol=1e-12, atol=1e-14)
         matrices = [m + 0.1 * torch.randn(m.shape, generator=generator, dtype=torch.float64) for m in matrices]
-    assert counter.frame_count == 1
+    assert counted_compile.frame_count == 1
     exact = torch.linalg.matrix_norm(torch.stack(used[:2]), ord=2)
     assert (ours[0].sigma <= exact * (1 + 1e-12)).all()  # a Ritz value: a lower bound
-    torch._dynamo.reset()
 
 
-def test_the_projections_power_iteration_trains_compiled_to_the_eager_weights(monkeypatch):
+def test_the_projections_power_iteration_trains_compiled_to_the_eager_weights(counted_compile):
     """``--model.compile true`` compiles the power iteration of spectral_norm's projection (and Muon's, and the
     certified losses' bound): three training steps, each projected, give the eager run's weights."""
     from stability.classifier import ImageClassifier
 
-    counter = CompileCounterWithBackend("aot_eager")
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **options: real_compile(fn, backend=counter,
-                                                                                         **options))
-    torch._dynamo.reset()
     modules = []
     for compile in (False, True):
         torch.manual_seed(0)
@@ -71,7 +60,6 @@ def test_the_projections_power_iteration_trains_compiled_to_the_eager_weights(mo
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert compiled.stabilizers[0]._power._compiled_step is not None  # the projection did take the compiled step
     assert eager.stabilizers[0]._power._compiled_step is None
-    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

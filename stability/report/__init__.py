@@ -215,4 +215,3 @@ def local_methods_note(records) -> list[str]:
                        for m, n in sorted(methods.items()))
     return [f"`Lip local` mixes methods: {counts} (results.json's `local_method`). Power iteration is a lower "
             "bound of the exact norm; with 10 iterations it came within 0.1 % of it on a trained micro ViT.", ""]
-
