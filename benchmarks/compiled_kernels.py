@@ -7,8 +7,8 @@
 generated code that launch — its own kernels (the CPU's C++ ones standing in for a GPU's Triton ones: the fusion
 decisions are largely the same) and the library calls it keeps (matrix products, fused attention), counted in the
 code itself. The optimizer, the projections and most stabilizers' terms stay eager; a term that compiles whole
-(``Stabilizer.compiles_whole_term``: Specformer's) is counted the same way, from the code generated for its forward
-and backward. So a compiled step launches
+(``Stabilizer.compiles_whole_term``: Specformer's penalty, JaSMin's statistics) is counted the same way, from the
+code generated for its forward and backward. So a compiled step launches
 
     the compiled network's launches + the compiled terms' + (the eager step's launches − the eager network's
     − the eager launches of the terms that compile)
@@ -33,6 +33,7 @@ from common import arguments, build_module, markdown, setup, train_step, write
 from step_cost import CASES, case_labels, geometry, put_weights_at_the_cap, selected
 from torch._inductor.graph import GraphLowering
 
+from stability.models import capture_queries_keys
 from stability.models.registry import PRESETS
 from stability.stabilizers.base import ForwardStep
 from stability.testing.gpu_model import count, cuda_path
@@ -102,7 +103,7 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
                 with generated_modules() as sources:
                     network_pass(module, images, precision, compiled=True)
                 result["compiled"] = sum(wrapper_launches(source) for source in sources)
-                step = logits_step(module, images, labels)
+                step = logits_step(module, images, labels, precision)
                 with generated_modules() as sources:
                     terms_pass(module, step)
                 result["terms compiled"] = sum(wrapper_launches(source) for source in sources)
@@ -118,7 +119,7 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             logits.requires_grad_(True)
             tail = count(lambda t=logits: t.float().sum().backward()).launches  # network_pass's, not the network's
             result["network"] = network - tail
-            step = logits_step(module, images, labels)
+            step = logits_step(module, images, labels, precision)
             result["terms eager"] = count(lambda m=module, s=step: terms_pass(m, s)).launches
     return result
 
@@ -147,10 +148,16 @@ def terms_pass(module, step: ForwardStep) -> None:
         sum(stab.loss(step) for stab in whole).backward()
 
 
-def logits_step(module, images: torch.Tensor, labels: torch.Tensor) -> ForwardStep:
-    """A step's forward, made before a count (the terms' counts leave the network out)."""
-    with torch.no_grad():
-        return ForwardStep(module.network, images, module.network(images), labels)
+def logits_step(module, images: torch.Tensor, labels: torch.Tensor, precision: str) -> ForwardStep:
+    """A step's forward, made before a count (the terms' counts leave the network out), with the queries and keys
+    (leaves that take a gradient) where a stabilizer reads them."""
+    reads = any(stab.needs_queries_keys for stab in module.stabilizers)
+    captured = capture_queries_keys(module.network.backbone) if reads else contextlib.nullcontext([])
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"), captured as found:
+        logits = module.network(images)
+    queries_keys = [(q.detach().requires_grad_(True), k.detach().requires_grad_(True), scale)
+                    for q, k, scale in found]
+    return ForwardStep(module.network, images, logits, labels, queries_keys=queries_keys)
 
 
 def network_pass(module, images: torch.Tensor, precision: str, compiled: bool = False) -> None:
@@ -199,7 +206,7 @@ def main() -> None:
             "and extrapolated (module docstring). `eager step`: the eager step's launches on the GPU's code path; "
             "`network, eager` and `network, compiled`: its forward and backward, eager and as the launching "
             "statements of Inductor's generated code (kernels and library calls), with the terms that compile whole "
-            "(Specformer's penalty); `eager outside`: the step's other "
+            "(Specformer's penalty, JaSMin's statistics); `eager outside`: the step's other "
             "launches (the other stabilizers' terms, the optimizer, the projections; the certified losses' bound "
             "composition, which --model.compile also compiles, is counted here eager); `compiled step`: the compiled "
             "network and terms and what stays eager, and its ratio to its reference compiled (step_cost.py's: the "

@@ -100,7 +100,11 @@ def test_lambda_zero_keeps_the_fused_path_and_bad_options_fail():
 
 # ---------------------------------------------------------------- streamed row statistics (ViT)
 from stability.models import capture_queries_keys, supports_query_key_capture  # noqa: E402
-from stability.nn.row_statistics import row_statistics, top_probabilities_streamed  # noqa: E402
+from stability.nn.row_statistics import (  # noqa: E402
+    row_statistics,
+    row_statistics_recomputed,
+    top_probabilities_streamed,
+)
 from stability.nn.softmax_bounds import top_probabilities  # noqa: E402
 
 
@@ -204,6 +208,98 @@ def test_streamed_jasmin_equals_the_materialised_loss_and_gradient_on_vit(k, red
             assert got is None or float(got.abs().max()) == 0
         else:
             assert torch.allclose(got, want, rtol=1e-7, atol=1e-10)
+
+
+def test_the_recomputed_row_statistics_and_their_gradient_equal_the_materialised_logits(monkeypatch):
+    """The compiled graph's statistics (recomputed in the backward): the materialised softmax's top probabilities to
+    1e-12 in float64 for blocks that do and do not divide N, and the gradient of random weightings of the LSE and
+    the top logits equal autograd's through the materialised logits, to 1e-12; a planted error in the
+    recomputation (its keys off by 1e-6, the forward's right) fails. (A region under selective checkpointing takes
+    one backward, as a training step does: gradcheck's repeated backward is refused.)"""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 13, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 11, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weights = [(torch.randn(2, 3, 13, generator=gen, dtype=torch.float64),
+                torch.randn(2, 3, 13, 3, generator=gen, dtype=torch.float64)) for _ in range(3)]
+
+    def gradient(statistics, on_lse, on_top):
+        lse, top = statistics(q, k)
+        return torch.cat([g.flatten() for g in torch.autograd.grad((lse * on_lse).sum() + (top * on_top).sum(),
+                                                                   (q, k))])
+
+    def materialised(a, b):
+        logits = 0.7 * a @ b.transpose(-1, -2)
+        return logits.logsumexp(-1), logits.topk(3, dim=-1).values
+
+    probs = torch.softmax(0.7 * q @ k.transpose(-1, -2), dim=-1)
+    for block in (1, 5, 64):
+        streamed = top_probabilities_streamed(q, k, 0.7, 4, block=block, recomputed=True)
+        assert torch.allclose(streamed, top_probabilities(probs, 4), atol=1e-12)
+        for on_lse, on_top in weights:
+            got = gradient(lambda a, b, n=block: row_statistics_recomputed(a, b, 0.7, 3, block=n), on_lse, on_top)
+            torch.testing.assert_close(got, gradient(materialised, on_lse, on_top), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(top_probabilities_streamed(q, k, 0.7, 20, recomputed=True), top_probabilities(probs, 20),
+                          atol=1e-12)  # more than M: zero-padded
+    from stability.nn import row_statistics as module
+
+    calls, statistics = [], module._block_statistics
+
+    def stale_on_recompute(a, b, *args):  # the second call of each block is the backward's recomputation
+        calls.append(1)
+        return statistics(a, b + (1e-6 if len(calls) % 2 == 0 else 0.0), *args)
+
+    monkeypatch.setattr(module, "_block_statistics", stale_on_recompute)
+    got = gradient(lambda a, b: row_statistics_recomputed(a, b, 0.7, 3, block=5), *weights[0])
+    monkeypatch.undo()
+    assert len(calls) == 6  # three blocks, each run twice
+    assert not torch.allclose(got, gradient(materialised, *weights[0]), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("k,reduction", [(0, "mean"), (10, "max")])
+def test_compiled_jasmin_equals_the_materialised_loss_and_gradient_on_vit(k, reduction, dtype, rtol):
+    """JaSMin trained compiled (its statistics one compiled graph, recomputed backward) against the eager
+    materialised maps: the same loss and every parameter's gradient, 1e-10 in float64, 1e-5 relative in float32."""
+    torch.manual_seed(0)
+    net = build_backbone("vit", img_size=8, in_chans=1, num_classes=3, embed_dim=16, depth=2, num_heads=2).to(dtype)
+    images = torch.rand(4, 1, 8, 8, dtype=dtype)
+    jasmin = JaSMin(lam=1.0, k=k, reduction=reduction)
+    jasmin.compile_terms()
+    with capture_attention(net) as probs:
+        net(images)
+    materialised = jasmin.regulariser(probs, 4)
+    reference = torch.autograd.grad(materialised, list(net.parameters()), allow_unused=True)
+    torch._dynamo.reset()
+    with capture_queries_keys(net) as queries_keys:
+        net(images)
+    compiled = jasmin.regulariser_compiled(queries_keys)
+    grads = torch.autograd.grad(compiled, list(net.parameters()), allow_unused=True)
+    assert compiled.dtype == dtype
+    assert float(compiled) == pytest.approx(float(materialised), rel=rtol)
+    scale = max(float(g.abs().max()) for g in reference if g is not None)
+    for got, want in zip(grads, reference):
+        if want is None:
+            assert got is None or float(got.abs().max()) == 0
+        else:
+            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale)
+
+
+def test_the_compiled_statistics_of_float32_values_multiply_in_ieee(monkeypatch):
+    """A compiled graph cannot set torch's matmul precision: the compiled statistics are called with IEEE float32
+    for float32 queries and keys, and at the run's TF32 setting for bf16 ones (their products exact there)."""
+    jasmin = JaSMin(lam=1.0)
+    jasmin.compile_terms()
+    seen = []
+    jasmin._compiled_regulariser = lambda qk: seen.append(torch.get_float32_matmul_precision()) or torch.zeros(())
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # training on a GPU
+    try:
+        x = torch.randn(2, 2, 5, 4)
+        jasmin.regulariser_compiled([(x.bfloat16(), x.bfloat16(), 0.5)])
+        jasmin.regulariser_compiled([(x, x, 0.5)])
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen == ["high", "highest"]
 
 
 def test_row_statistics_choice_follows_the_backbone():

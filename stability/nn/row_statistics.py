@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from .precision import autocast_off, ieee_float32
 
@@ -111,6 +113,42 @@ class _RowStatistics(torch.autograd.Function):
         return grad_q, grad_k, None, None, None, None
 
 
+# the top logits' indices (count a row) are saved, not found again: only the logits and their LSE are recomputed
+_TOP_SAVED = partial(create_selective_checkpoint_contexts, [torch.ops.aten.topk.default])
+
+
+def _block_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int) -> tuple[torch.Tensor, ...]:
+    """LSE and top ``count`` logits of the rows of one block, in float32 at least, autocast off."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    with autocast_off(q.device.type):
+        if math.frexp(scale)[0] == 0.5:  # a power of two: q·scale is exact, and fused into q's cast (one kernel less)
+            return _top_and_lse((q.to(dtype) * scale) @ k.to(dtype).transpose(-1, -2), count)
+        return _top_and_lse((q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale, count)
+
+
+def _top_and_lse(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.logsumexp(-1), logits.topk(count, dim=-1).values
+
+
+def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
+                              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_statistics` for a compiled graph: the same LSE and top logits, differentiated by autograd and
+    recomputed in the backward a block at a time (activation checkpointing, which torch.compile honours: only q and
+    k are saved, nothing of size N²). Its backward, ∂/∂s_im = ḡ_LSE,i·p_im + Σ_j ḡ_top,ij·[m = idx_ij], is then
+    autograd's, fused by Inductor with the recomputed logits (one product forward, three backward). ``block``
+    defaults to :func:`block_rows`, whose comparison Dynamo keeps as a guard: every batch that fits one block runs
+    the same graph. The products run at the caller's matmul precision (autocast off): bf16 / fp16 values multiply
+    exactly under TF32; the caller of float32 values sets IEEE float32 for the forward (the recomputation then runs
+    at the run's own setting, as the network's backward does)."""
+    block = block_rows(q, k) if block is None else block
+    if count < 1 or block < 1:
+        raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
+    count = min(count, k.shape[-2])
+    parts = [checkpoint(_block_statistics, q[..., start:start + block, :], k, float(scale), count,
+                        use_reentrant=False, context_fn=_TOP_SAVED) for start in range(0, q.shape[-2], block)]
+    return torch.cat([lse for lse, _ in parts], -1), torch.cat([top for _, top in parts], -2)
+
+
 def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
                    block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LSE and the ``count`` largest logits (descending) of every row of softmax(scale · q kᵀ).
@@ -129,10 +167,12 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
 
 
 def top_probabilities_streamed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
-                               block: int | None = None) -> torch.Tensor:
+                               block: int | None = None, recomputed: bool = False) -> torch.Tensor:
     """The ``count`` largest probabilities of each row of softmax(scale · q kᵀ), descending,
-    zero-padded past M (as :func:`stability.nn.softmax_bounds.top_probabilities`)."""
-    lse, top = row_statistics(q, k, scale, count, block)
+    zero-padded past M (as :func:`stability.nn.softmax_bounds.top_probabilities`); ``recomputed``: through
+    :func:`row_statistics_recomputed` (a compiled graph's)."""
+    statistics = row_statistics_recomputed if recomputed else row_statistics
+    lse, top = statistics(q, k, scale, count, block)
     probs = (top - lse.unsqueeze(-1)).exp()
     if probs.shape[-1] < count:
         probs = torch.nn.functional.pad(probs, (0, count - probs.shape[-1]))

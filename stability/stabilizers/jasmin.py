@@ -17,12 +17,14 @@ window masks), CSwin and replaced attention kernels use the materialised maps.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
 
 from ..models import supports_query_key_capture
-from ..nn.row_statistics import top_probabilities_streamed
+from ..nn.precision import autocast_off, float32_math
+from ..nn.row_statistics import EXACT_IN_TF32, top_probabilities_streamed
 from ..nn.softmax_bounds import g_k_of_top, top_probabilities
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
@@ -43,6 +45,7 @@ class JaSMin(Stabilizer):
     """
 
     name = "jasmin"
+    compiles_whole_term = True  # trained compiled, the streamed statistics run as one graph of their own
     summary = "λ·Σ_{layers,heads} R_rows log g₁(P_i) (k=0) or log(g₁/(g_k+ε)) (k>1) on the attention rows"
     source = "Yudin et al. 2025"
 
@@ -64,6 +67,7 @@ class JaSMin(Stabilizer):
         self.streamed = False
         self._supported = False
         self._compiled = False
+        self._compiled_regulariser = None
         self.needs_attention_probs = lam > 0
 
     @property
@@ -95,10 +99,14 @@ class JaSMin(Stabilizer):
         return None
 
     def compile_terms(self) -> None:
-        """Trained compiled: the streamed statistics, on every device (``auto`` no longer follows the device)."""
+        """Trained compiled: the streamed statistics, on every device (``auto`` no longer follows the device), as
+        one compiled graph (forward and backward) from the queries and keys that the compiled network returns."""
         if self.lam > 0:
             self._compiled = True
             self._choose(streamed=True)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_compiled_regulariser": None}  # a compiled function does not pickle
 
     def _choose(self, streamed: bool) -> None:
         self.streamed = self.lam > 0 and streamed
@@ -116,14 +124,34 @@ class JaSMin(Stabilizer):
             return g1.log()
         return (g1 / (g_k_of_top(top, self.k) + self.eps)).log()
 
-    def regulariser_streamed(self, queries_keys: list[tuple], batch_size: int) -> torch.Tensor:
-        """L_JaSMin (without λ) from the queries and keys of one forward pass (ViT)."""
+    def regulariser_streamed(self, queries_keys: list[tuple], batch_size: int,
+                             recomputed: bool = False) -> torch.Tensor:
+        """L_JaSMin (without λ) from the queries and keys of one forward pass (ViT); ``recomputed``: with the backward
+        that torch.compile traces (:func:`~stability.nn.row_statistics.row_statistics_recomputed`)."""
         total = 0.0
         for q, k, scale in queries_keys:
-            scores = self.scores_of_top(top_probabilities_streamed(q, k, scale, self.top_count))  # (B, H, N)
-            reduced = scores.amax(-1) if self.reduction == "max" else scores.mean(-1)
+            top = top_probabilities_streamed(q, k, scale, self.top_count, recomputed=recomputed)
+            scores = self.scores_of_top(top)  # (B, H, N)
+            # max(-1)'s backward goes to the saved index; amax's compares the scores with their max again, which a
+            # compiled backward recomputes with other rounding: no score equal, a 0/0 gradient (seen on the CPU)
+            reduced = scores.max(-1).values if self.reduction == "max" else scores.mean(-1)
             total = total + reduced.sum(-1).mean()
         return total
+
+    def regulariser_compiled(self, queries_keys: list[tuple]) -> torch.Tensor:
+        """:meth:`regulariser_streamed` through one compiled graph, its forward and backward (≈ 90 eager launches a
+        layer become a few kernels). Compiled once for every batch size (the batch dimension is dynamic). Its products:
+        bf16 / fp16 queries and keys multiply exactly at the run's TF32 setting; float32 ones in IEEE float32, set
+        here, outside the graph (a graph cannot set torch's matmul precision)."""
+        if self._compiled_regulariser is None:
+            self._compiled_regulariser = torch.compile(partial(self.regulariser_streamed, batch_size=0,
+                                                               recomputed=True), fullgraph=True)
+        q = queries_keys[0][0]
+        for q_or_k in (t for q, k, _ in queries_keys for t in (q, k)):
+            torch._dynamo.maybe_mark_dynamic(q_or_k, 0)
+        exact = q.dtype in EXACT_IN_TF32
+        with autocast_off(q.device.type) if exact else float32_math(q.device.type):
+            return self._compiled_regulariser(queries_keys)
 
     def regulariser(self, attention_probs: list[torch.Tensor], batch_size: int) -> torch.Tensor:
         """L_JaSMin (without λ) from the attention maps of one forward pass."""
@@ -142,6 +170,8 @@ class JaSMin(Stabilizer):
         if self.streamed:
             if not step.queries_keys:
                 raise RuntimeError("jasmin: no queries and keys were recorded for this forward pass")
+            if self._compiled:
+                return self.lam * self.regulariser_compiled(step.queries_keys)
             return self.lam * self.regulariser_streamed(step.queries_keys, step.inputs.shape[0])
         if not step.attention_probs:
             raise RuntimeError("jasmin: no attention probabilities were recorded for this forward pass")
