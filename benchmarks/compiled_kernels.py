@@ -143,7 +143,7 @@ def power_iteration_launches(size: str, tokens: int) -> tuple[int, int, int]:
 def terms_pass(module, step: ForwardStep) -> None:
     """The forward and backward of the terms that compile whole (``compiles_whole_term``) on ``step``: eager on an
     eager module, through their compiled graphs on a compiled one."""
-    whole = [stab for stab in module.stabilizers if stab.compiles_whole_term]
+    whole = [stab for stab in module.stabilizers if stab.compiles_whole_term and stab.compile_refusal() is None]
     if whole:
         sum(stab.loss(step) for stab in whole).backward()
 

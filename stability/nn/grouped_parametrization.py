@@ -13,6 +13,9 @@ reading ``module.weight``, a layer called on its own) computes it alone, as befo
 path is tested against (tests/test_grouped_parametrization.py). One difference in kind: a weight read twice within
 one forward is computed once (as under ``torch.nn.utils.parametrize.cached()``), where the per-matrix path would take
 two power-iteration steps.
+
+Trained compiled (``--model.compile true``), the hooks sit on the backbone, so torch.compile traces the grouped step
+into the network's graph; its matrix–vector products are then fused reductions (:func:`batched_matvec`).
 """
 from __future__ import annotations
 
@@ -22,12 +25,24 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .precision import ieee_float32
+
 
 def bilinear(left: torch.Tensor, matrices: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """leftᵀ W right for each of G matrices, (G, m), (G, m, n), (G, n) → (G,), differentiable in W, elementwise: its
     gradient left rightᵀ is exact in float32 (as the outer product of one matrix's ``mv`` backward), where a batched
     product with an inner dimension of 1 would round its factors to TF32 on a GPU that allows it."""
     return (matrices * (left.unsqueeze(-1) * right.unsqueeze(-2))).sum((-2, -1))
+
+
+def batched_matvec(matrices: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """W x for each of G matrices, (G, m, n), (G, n) → (G, m), in IEEE float32 (a power iteration's products, as each
+    weight's own ``mv``, which no GPU runs in TF32). Eager: a batched product with TF32 off. Compiled, where a graph
+    cannot switch TF32 off: a product and a sum, which Inductor fuses into one reduction kernel."""
+    if torch.compiler.is_compiling():
+        return (matrices * vectors.unsqueeze(-2)).sum(-1)
+    with ieee_float32():
+        return torch.bmm(matrices, vectors.unsqueeze(-1)).squeeze(-1)
 
 
 class GroupedParametrization(nn.Module):
@@ -43,7 +58,7 @@ class GroupedParametrization(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if self._grouped is not None:
             effective, original, version = self._grouped
-            if original is weight and version == weight._version:
+            if original is weight and (version is None or version == weight._version):
                 return effective
         return self.single(weight)  # outside a grouped forward, or a slice left from one whose weight changed since
 
@@ -77,16 +92,17 @@ class GroupedWeights:
                 raise ValueError(f"a grouped parametrisation must be the first of its weight, got "
                                  f"{[type(p).__name__ for p in holder]}")
         self.holders = list(holders)
-        self._handles = [network.register_forward_pre_hook(self._before),
-                         network.register_forward_hook(self._after, always_call=True)]
+        # on a Network, its backbone's hooks: torch.compile of the Network traces them into the network's graph (the
+        # hooks of the compiled module itself would run as graphs of their own)
+        runner = getattr(network, "backbone", network)
+        self._handles = [runner.register_forward_pre_hook(self._before),
+                         runner.register_forward_hook(self._after, always_call=True)]
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
 
     def _before(self, _module, _args) -> None:
-        if torch.compiler.is_compiling():  # compiled: each member's own arithmetic, fused by the compiler
-            return
         groups: dict[tuple, list[nn.Module]] = defaultdict(list)
         for holder in self.holders:
             member, original = holder[0], holder.original
@@ -94,11 +110,10 @@ class GroupedWeights:
         for (kind, *_), group in groups.items():
             originals = [holder.original for holder in group]
             effective = kind.grouped([holder[0] for holder in group], torch.stack(originals))
+            compiling = torch.compiler.is_compiling()  # a traced forward: no weight changes inside it
             for holder, original, weight in zip(group, originals, effective.unbind(0)):
-                holder[0]._grouped = (weight, original, original._version)
+                holder[0]._grouped = (weight, original, None if compiling else original._version)
 
     def _after(self, _module, _args, _output) -> None:
-        if torch.compiler.is_compiling():
-            return
         for holder in self.holders:
             holder[0]._grouped = None

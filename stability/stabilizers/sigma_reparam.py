@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..models import norm_sites
-from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, bilinear
-from ..nn.precision import at_least_float32, autocast_off, ieee_float32
+from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, batched_matvec, bilinear
+from ..nn.precision import at_least_float32, autocast_off
 from .base import Stabilizer, register_stabilizer
 
 
@@ -63,10 +63,10 @@ class SigmaReparametrization(GroupedParametrization):
         """:meth:`single` for G weights of one shape at once: ``weights`` (G, …) → (G, …)."""
         with autocast_off(weights.device.type):
             matrices = weights.flatten(2).to(torch.promote_types(weights.dtype, torch.float32))  # (G, m, n)
-            with torch.no_grad(), ieee_float32():  # matrix–vector products, as each weight's own: no TF32
+            with torch.no_grad():  # matrix–vector products in IEEE float32, as each weight's own
                 u = torch.stack([m.u for m in members]).to(matrices.dtype)
-                v = F.normalize(torch.bmm(matrices, u.unsqueeze(-1)).squeeze(-1), dim=-1)
-                u = F.normalize(torch.bmm(matrices.transpose(1, 2), v.unsqueeze(-1)).squeeze(-1), dim=-1)
+                v = F.normalize(batched_matvec(matrices, u), dim=-1)
+                u = F.normalize(batched_matvec(matrices.transpose(1, 2), v), dim=-1)
             sigma = bilinear(v, matrices, u)
             if members[0].training:
                 torch._foreach_copy_([m.u for m in members], list(u.unbind(0)))

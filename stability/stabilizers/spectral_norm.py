@@ -41,8 +41,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm
 
 from ..models import linear_layers
-from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, bilinear
-from ..nn.precision import autocast_off, ieee_float32
+from ..nn.grouped_parametrization import GroupedParametrization, GroupedWeights, batched_matvec, bilinear
+from ..nn.precision import autocast_off
 from ..nn.spectral import SubspaceIteration, spectral_norms
 from .base import Stabilizer, register_stabilizer
 
@@ -70,13 +70,13 @@ class GroupedSpectralNorm(GroupedParametrization, _SpectralNorm):
         """:meth:`single` for G matrices of one shape at once: ``weights`` (G, m, n) → (G, m, n)."""
         first = members[0]
         with autocast_off(weights.device.type):
-            with torch.no_grad(), ieee_float32():  # matrix–vector products, as torch's own: no TF32
+            with torch.no_grad():  # matrix–vector products in IEEE float32, as torch's own
                 u = torch.stack([m._u for m in members])
                 v = torch.stack([m._v for m in members])
                 if first.training:
                     for _ in range(first.n_power_iterations):
-                        u = F.normalize(torch.bmm(weights, v.unsqueeze(-1)).squeeze(-1), dim=-1, eps=first.eps)
-                        v = F.normalize(torch.bmm(weights.mH, u.unsqueeze(-1)).squeeze(-1), dim=-1, eps=first.eps)
+                        u = F.normalize(batched_matvec(weights, v), dim=-1, eps=first.eps)
+                        v = F.normalize(batched_matvec(weights.mH, u), dim=-1, eps=first.eps)
                     torch._foreach_copy_([m._u for m in members], list(u.unbind(0)))
                     torch._foreach_copy_([m._v for m in members], list(v.unbind(0)))
             sigma = bilinear(u, weights, v)
