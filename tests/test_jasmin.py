@@ -244,9 +244,9 @@ def test_the_recomputed_row_statistics_and_their_gradient_equal_the_materialised
 
     calls, statistics = [], module._block_statistics
 
-    def stale_on_recompute(a, b, *args):  # the second call of each block is the backward's recomputation
+    def stale_on_recompute(a, b, *args):  # calls 4-6 are the backward's recomputations (three blocks)
         calls.append(1)
-        return statistics(a, b + (1e-6 if len(calls) % 2 == 0 else 0.0), *args)
+        return statistics(a, b + (1e-6 if len(calls) > 3 else 0.0), *args)
 
     monkeypatch.setattr(module, "_block_statistics", stale_on_recompute)
     got = gradient(lambda a, b: row_statistics_recomputed(a, b, 0.7, 3, block=5), *weights[0])
@@ -300,6 +300,26 @@ def test_the_compiled_statistics_of_float32_values_multiply_in_ieee(monkeypatch)
     finally:
         torch.set_float32_matmul_precision(previous)
     assert seen == ["high", "highest"]
+
+
+def test_float32_statistics_compile_only_where_no_product_takes_tf32():
+    """A compiled backward runs at the run's precision: float32 queries and keys (an fp32 run, or timm's qk_norm
+    under autocast) take the compiled graph only where float32 products are IEEE (the CPU, or highest precision on a
+    GPU), else the eager statistics; bf16 pairs always compile, a pair of mixed dtypes counts as float32."""
+    from stability.stabilizers.jasmin import exact_in_tf32, tf32_products
+
+    x = torch.zeros(1)
+    assert exact_in_tf32([(x.bfloat16(), x.bfloat16()), (x.half(), x.half())])
+    assert not exact_in_tf32([(x.bfloat16(), x.bfloat16()), (x, x)])
+    assert not exact_in_tf32([(x.bfloat16(), x)])
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert tf32_products("cuda") and not tf32_products("cpu")
+        torch.set_float32_matmul_precision("highest")
+        assert not tf32_products("cuda")
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def test_row_statistics_choice_follows_the_backbone():

@@ -14,8 +14,8 @@ path is tested against (tests/test_grouped_parametrization.py). One difference i
 one forward is computed once (as under ``torch.nn.utils.parametrize.cached()``), where the per-matrix path would take
 two power-iteration steps.
 
-Trained compiled (``--model.compile true``), the hooks sit on the backbone, so torch.compile traces the grouped step
-into the network's graph; its matrix–vector products are then fused reductions (:func:`batched_matvec`).
+The hooks sit on a Network's backbone, so that torch.compile of the Network (``--model.compile true``) traces the
+grouped step into the network's graph; its matrix–vector products are then fused reductions (:func:`batched_matvec`).
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class GroupedParametrization(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if self._grouped is not None:
             effective, original, version = self._grouped
-            if original is weight and (version is None or version == weight._version):
+            unversioned = version is None and torch.compiler.is_compiling()  # set inside the same trace
+            if original is weight and (unversioned or version == weight._version):
                 return effective
         return self.single(weight)  # outside a grouped forward, or a slice left from one whose weight changed since
 

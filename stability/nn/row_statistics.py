@@ -119,7 +119,7 @@ _TOP_SAVED = partial(create_selective_checkpoint_contexts, [torch.ops.aten.topk.
 
 def _block_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int) -> tuple[torch.Tensor, ...]:
     """LSE and top ``count`` logits of the rows of one block, in float32 at least, autocast off."""
-    dtype = torch.promote_types(q.dtype, torch.float32)
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
     with autocast_off(q.device.type):
         if math.frexp(scale)[0] == 0.5:  # a power of two: q·scale is exact, and fused into q's cast (one kernel less)
             return _top_and_lse((q.to(dtype) * scale) @ k.to(dtype).transpose(-1, -2), count)
@@ -137,9 +137,10 @@ def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, co
     k are saved, nothing of size N²). Its backward, ∂/∂s_im = ḡ_LSE,i·p_im + Σ_j ḡ_top,ij·[m = idx_ij], is then
     autograd's, fused by Inductor with the recomputed logits (one product forward, three backward). ``block``
     defaults to :func:`block_rows`, whose comparison Dynamo keeps as a guard: every batch that fits one block runs
-    the same graph. The products run at the caller's matmul precision (autocast off): bf16 / fp16 values multiply
-    exactly under TF32; the caller of float32 values sets IEEE float32 for the forward (the recomputation then runs
-    at the run's own setting, as the network's backward does)."""
+    the same graph. The products run at the matmul precision of the moment (autocast off), the backward's at the
+    backward's: bf16 / fp16 values multiply exactly under TF32 (the backward's float32 dS is rounded to TF32 there);
+    float32 values need IEEE float32 in both passes (:meth:`~stability.stabilizers.jasmin.JaSMin.regulariser_compiled`
+    compiles them only where that holds)."""
     block = block_rows(q, k) if block is None else block
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")

@@ -29,6 +29,16 @@ from ..nn.softmax_bounds import g_k_of_top, top_probabilities
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
 
+def exact_in_tf32(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether every (q, k) pair holds values whose products TF32 computes exactly (bf16 or fp16, both alike)."""
+    return all(q.dtype == k.dtype and q.dtype in EXACT_IN_TF32 for q, k in pairs)
+
+
+def tf32_products(device_type: str) -> bool:
+    """Whether float32 products on ``device_type`` run in TF32 now (CUDA, unless the matmul precision is highest)."""
+    return device_type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+
+
 @register_stabilizer
 class JaSMin(Stabilizer):
     """``--stabilizer jasmin``.
@@ -140,16 +150,22 @@ class JaSMin(Stabilizer):
 
     def regulariser_compiled(self, queries_keys: list[tuple]) -> torch.Tensor:
         """:meth:`regulariser_streamed` through one compiled graph, its forward and backward (≈ 90 eager launches a
-        layer become a few kernels). Compiled once for every batch size (the batch dimension is dynamic). Its products:
-        bf16 / fp16 queries and keys multiply exactly at the run's TF32 setting; float32 ones in IEEE float32, set
-        here, outside the graph (a graph cannot set torch's matmul precision)."""
+        layer become ≈ 10 kernels), compiled once for every batch size (the batch dimension is dynamic), in
+        torch.compile's default mode whatever ``--model.compile_mode`` (not captured as a CUDA graph). Its products:
+        bf16 / fp16 queries and keys multiply exactly at the run's TF32 setting. Float32 ones need IEEE float32, which
+        a graph cannot set, in its forward nor in its backward (which runs later, at the run's setting): they take
+        the compiled graph where TF32 is off for float32 products (the CPU, or ``highest`` precision), the forward's
+        precision set here, and the eager statistics (IEEE in both passes) where a GPU run allows TF32."""
+        pairs = [(q, k) for q, k, _ in queries_keys]
+        q = pairs[0][0]
+        exact = exact_in_tf32(pairs)
+        if not exact and tf32_products(q.device.type):
+            return self.regulariser_streamed(queries_keys, q.shape[0])
         if self._compiled_regulariser is None:
             self._compiled_regulariser = torch.compile(partial(self.regulariser_streamed, batch_size=0,
                                                                recomputed=True), fullgraph=True)
-        q = queries_keys[0][0]
-        for q_or_k in (t for q, k, _ in queries_keys for t in (q, k)):
+        for q_or_k in (t for pair in pairs for t in pair):
             torch._dynamo.maybe_mark_dynamic(q_or_k, 0)
-        exact = q.dtype in EXACT_IN_TF32
         with autocast_off(q.device.type) if exact else float32_math(q.device.type):
             return self._compiled_regulariser(queries_keys)
 
