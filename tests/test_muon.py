@@ -209,6 +209,66 @@ def test_every_constraint_keeps_weights_at_sigma_max_over_muon_steps(constraint)
         assert stab.last_alpha > 0
 
 
+@pytest.mark.parametrize("constraint", ["hard_cap", "soft_cap", "spectral_wd"])
+def test_compiled_constraints_equal_the_eager_ones_over_muon_steps(constraint, monkeypatch):
+    """Trained compiled, each shape group's constraint runs as a compiled graph (inside the float32 context): after
+    six Muon steps at a decaying rate, whose α (soft cap, measured updates) and step bound (hard cap) change every
+    step, every weight equals the eager run's to float32 rounding; at most two compilations a shape group (the
+    first takes α and the bound as constants, the second, once they change, as inputs: not one a step); the planted
+    error (α frozen at its first value) fails the comparison."""
+    from torch._dynamo.testing import CompileCounter
+
+    real_compile = torch.compile
+    counters = {}
+
+    def counted(function, mode=None, **options):
+        counters[getattr(function, "__name__", "")] = CompileCounter()
+        return real_compile(function, backend=counters[getattr(function, "__name__", "")], **options)
+
+    measured = {"update_norm": "measured"} if constraint == "soft_cap" else {}  # α from each step's own update
+
+    def run(compile: bool, frozen_alpha: bool = False):
+        torch.manual_seed(0)
+        module = ImageClassifier(backbone_options=VIT, stabilizer="muon", lr=1e-3, compile=compile,
+                                 stabilizer_options={"muon": {"constraint": constraint, "lr": 0.05, "sigma_max": 1.0,
+                                                              "weight_decay": 0.1, **measured}})
+        stab = module.stabilizers[0]
+        if frozen_alpha:
+            constrain, first = stab._compiled_constraint, []
+
+            def frozen(group, largest, exact, alpha):
+                first.append(alpha)
+                return constrain(group, largest, exact, first[0])
+
+            stab._compiled_constraint = frozen
+        optimizer = stab.build_optimizer(module.network, lambda named: torch.optim.SGD([p for _, p in named], lr=0.0))
+        alphas = []
+        for seed in range(6):
+            _set_grads(module, seed)
+            for group in stab._muon.param_groups:  # a decaying rate: the hard cap's step bound changes too
+                group["lr"] *= 0.8
+            optimizer.step()
+            stab.after_optimizer_step(module.network)
+            alphas.append(stab.last_alpha)
+        return module, alphas
+
+    eager, alphas = run(False)
+    monkeypatch.setattr(torch, "compile", counted)
+    torch._dynamo.reset()
+    compiled, _ = run(True)
+    constraint_counter = counters["_constrain"]
+    for (name, a), b in zip(eager.network.named_parameters(), compiled.network.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    shapes = {tuple(p.shape) for p in hidden_matrices(compiled.network)}
+    assert 1 <= constraint_counter.frame_count <= 2 * len(shapes)
+    if constraint == "soft_cap":
+        assert len(set(alphas)) > 1  # α changed between steps: one graph took every value
+        torch._dynamo.reset()
+        stale, _ = run(True, frozen_alpha=True)
+        assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                       for a, b in zip(eager.network.parameters(), stale.network.parameters()))
+
+
 def test_weight_decay_only_uses_the_current_lr():
     """W ← (1 − λη)W with the nominal η on every matrix, wide ones (whose group lr carries the shape factor) too."""
     module = _module("none", lr=0.1, weight_decay=0.5)

@@ -44,7 +44,7 @@ from torch import nn
 from ..models import ROLES, linear_layers, linear_role, split_qkv
 from ..nn import constraints
 from ..nn.precision import accumulation_dtype, float32_math
-from ..nn.spectral import SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
+from ..nn.spectral import RECOMPILE_LIMIT, SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
 from ..optim import LR_SHAPE_FACTOR, nominal_lr
 from ..optim_combined import CombinedOptimizer
 from ..optim_muon import ShapeBatchedMuon
@@ -216,13 +216,24 @@ class MuonConstrained(Stabilizer):
         self._before: list[torch.Tensor] = []
         self._stepped = False
         self._muon: torch.optim.Optimizer | None = None
+        self._compiled_constraint = None
         self.last_alpha = 0.0
 
     def compile_terms(self) -> None:
         """Trained compiled: the per-step power iteration of the projection (a block power iteration with
-        Rayleigh–Ritz over every weight) as one compiled graph."""
+        Rayleigh–Ritz over every weight) as one compiled graph, and each shape group's constraint (the caps' matrix
+        polynomials and sign iterations) as one of its own, called inside the float32 context (no gradient: the
+        whole call runs at that precision). Two entries a shape (the first takes α and the step bound as constants, the
+        second, once they change, as inputs), and one more where the hard cap's first sign changes its iteration
+        count (which follows the step bound, so the learning rate's schedule: a few in a run)."""
         if self._power is not None:
             self._power.compile()
+        if self.constraint != "none" and self.method != "exact":
+            self._compiled_constraint = torch.compile(self._constrain, fullgraph=True)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_compiled_constraint": None}  # a compiled function does not pickle
 
     def prepare(self, network: nn.Module) -> None:
         """Split fused qkv projections, constrain the matrices from the start (exactly: this runs once)."""
@@ -316,9 +327,8 @@ class MuonConstrained(Stabilizer):
     def _before_update(self) -> None:
         """After the gradients, before the update: the decoupled decay W ← (1 − λη)W (the update does not
         depend on W, so this equals W ← W + ΔW − λη·W_old) and, where needed, a copy to measure ΔW."""
-        if self.weight_decay:
-            for p, eta in zip(self._matrices, self._etas()):
-                p.mul_(1 - self.weight_decay * eta)
+        if self.weight_decay:  # one multi-tensor launch
+            torch._foreach_mul_(self._matrices, [1 - self.weight_decay * eta for eta in self._etas()])
         self._before = [p.detach().clone() for p in self._matrices] if self.measures_update else []
         self._stepped = True
 
@@ -354,11 +364,14 @@ class MuonConstrained(Stabilizer):
         device = weights[0].device
         groups = self._power.step(weights, self.power_iterations) if (self._power is not None and not exact) \
             else None
+        constrain = self._compiled_constraint if self._compiled_constraint is not None and not exact \
+            else self._constrain
         with float32_math(device.type):
             for group in groups or self._groups_by_shape(weights, exact):
-                projected = self._constrain(group, largest, exact)
-                for i, w in zip(group.indices, projected):
-                    weights[i].copy_(w)
+                if constrain is not self._constrain:  # a graph for each shape; α and the bound its inputs
+                    torch._dynamo.mark_static(group.weight)
+                projected = constrain(group, largest, exact, self.last_alpha)
+                torch._foreach_copy_([weights[i] for i in group.indices], list(projected.unbind(0)))
 
     @staticmethod
     def _groups_by_shape(weights: list[torch.Tensor], exact: bool) -> list[TopSingular]:
@@ -366,8 +379,8 @@ class MuonConstrained(Stabilizer):
                             None, None)
                 for indices, stacked in grouped_by_shape([w.detach() for w in weights])]
 
-    def _constrain(self, group: TopSingular, largest: float | None, exact: bool) -> torch.Tensor:
-        """The constrained matrices of one shape group (G, m, n)."""
+    def _constrain(self, group: TopSingular, largest: float | None, exact: bool, alpha: float) -> torch.Tensor:
+        """The constrained matrices of one shape group (G, m, n); ``alpha``: the soft cap's α this step."""
         w = group.weight
         top = None if exact or group.sigma is None else (group.sigma, group.u, group.v)
         if self.constraint == "normalise":
@@ -380,4 +393,4 @@ class MuonConstrained(Stabilizer):
             if exact:
                 return constraints.hard_cap_svd(w, self.sigma_max)
             return constraints.hard_cap(w, self.sigma_max, bound=largest)
-        return constraints.soft_cap(w, self.last_alpha)
+        return constraints.soft_cap(w, alpha)
