@@ -11,7 +11,8 @@ code itself. The optimizer, the projections and most stabilizers' terms stay eag
 code generated for its forward and backward. So a compiled step launches
 
     the compiled network's launches + the compiled terms' + (the eager step's launches − the eager network's
-    − the eager launches of the terms that compile)
+    − the eager launches of the terms that compile − the eager launches of the power iterations and Muon's
+    constraints + the launches of their compiled graphs)
 
 counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at 1 and 2
 blocks and extrapolated to the preset's depth (each count is affine in depth; the kernels do not depend on the
@@ -35,7 +36,10 @@ from torch._inductor.graph import GraphLowering
 
 from stability.models import capture_queries_keys
 from stability.models.registry import PRESETS
+from stability.nn.precision import float32_math
+from stability.nn.spectral import SubspaceIteration
 from stability.stabilizers.base import ForwardStep
+from stability.stabilizers.muon import MuonConstrained
 from stability.testing.gpu_model import count, cuda_path
 
 DEPTHS = (1, 2)
@@ -110,8 +114,12 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
                 continue
             optimizer = module.build_optimizer()
             train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
-            step = count(lambda m=module, o=optimizer: train_step(m, o, images, labels, precision, 2))
+            with power_steps() as calls, constraint_steps() as constrained:
+                step = count(lambda m=module, o=optimizer: train_step(m, o, images, labels, precision, 2))
             result["step"] = step.launches
+            power = power_step_launches(calls)
+            constraint = constraint_launches(constrained)
+            result["power eager"], result["power compiled"] = power[0] + constraint[0], power[1] + constraint[1]
             module.zero_grad(set_to_none=True)  # as a step starts: no gradients to accumulate into
             network = count(lambda m=module: network_pass(m, images, precision)).launches
             with torch.no_grad():
@@ -122,6 +130,70 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             step = logits_step(module, images, labels, precision)
             result["terms eager"] = count(lambda m=module, s=step: terms_pass(m, s)).launches
     return result
+
+
+@contextlib.contextmanager
+def power_steps() -> Iterator[list[tuple]]:
+    """The block power-iteration steps taken inside the block: (the iteration, its matrices, iterations) each."""
+    calls: list[tuple] = []
+    original = SubspaceIteration.step
+
+    def recording(self, matrices, iterations=1):
+        calls.append((self, list(matrices), iterations))  # no copy: launches inside the count
+        return original(self, matrices, iterations)
+
+    with mock.patch.object(SubspaceIteration, "step", recording):
+        yield calls
+
+
+def power_step_launches(calls: list[tuple]) -> tuple[int, int]:
+    """The eager launches of the recorded power-iteration steps, and those of the graph ``--model.compile`` runs
+    them as (:meth:`SubspaceIteration.compile`): a compiled step counts the latter in place of the former."""
+    eager = compiled = 0
+    for power, matrices, iterations in calls:
+        eager += count(lambda p=power, m=matrices, i=iterations: p.step(m, i)).launches
+        was = power.compiled
+        power.compile()
+        torch._dynamo.reset()
+        with generated_modules() as sources:
+            power.step(matrices, iterations)
+        power.compiled = was
+        compiled += sum(wrapper_launches(source) for source in sources)
+    return eager, compiled
+
+
+@contextlib.contextmanager
+def constraint_steps() -> Iterator[list[tuple]]:
+    """Muon's constraint of each shape group taken inside the block: (the stabilizer, its arguments) each."""
+    calls: list[tuple] = []
+    original = MuonConstrained._constrain
+
+    def recording(self, *args):
+        calls.append((self, args))
+        return original(self, *args)
+
+    with mock.patch.object(MuonConstrained, "_constrain", recording):
+        yield calls
+
+
+def constraint_launches(calls: list[tuple]) -> tuple[int, int]:
+    """The eager launches of the recorded constraints, and those of the graphs ``--model.compile`` runs them as
+    (:meth:`MuonConstrained.compile_terms`; the exact SVD path stays eager)."""
+    eager = compiled = 0
+    for stab, args in calls:
+        device = args[0].weight.device.type
+        with float32_math(device):
+            eager += count(lambda s=stab, a=args: s._constrain(*a)).launches
+        if args[2]:  # exact
+            compiled += count(lambda s=stab, a=args: s._constrain(*a)).launches
+            continue
+        torch._dynamo.reset()
+        graph = torch.compile(stab._constrain, fullgraph=True)
+        with generated_modules() as sources, float32_math(device):
+            torch._dynamo.mark_static(args[0].weight)
+            graph(*args)
+        compiled += sum(wrapper_launches(source) for source in sources)
+    return eager, compiled
 
 
 def power_iteration_launches(size: str, tokens: int) -> tuple[int, int, int]:
@@ -195,7 +267,9 @@ def main() -> None:
             continue
         network, terms = extrapolated("network"), extrapolated("terms compiled")
         region = extrapolated("compiled") + terms
-        outside = eager - network - extrapolated("terms eager")
+        # what stays eager, its power-iteration steps (which compile) counted as their compiled graph's launches
+        outside = (eager - network - extrapolated("terms eager") - extrapolated("power eager")
+                   + extrapolated("power compiled"))
         compiled = compiled_steps[case.label] = region + outside
         reference = compiled_steps.get(case.reference)
         ratio = "—" if reference is None else f"{compiled / reference:.2f}×" + (
@@ -207,8 +281,10 @@ def main() -> None:
             "`network, eager` and `network, compiled`: its forward and backward, eager and as the launching "
             "statements of Inductor's generated code (kernels and library calls), with the terms that compile whole "
             "(Specformer's penalty, JaSMin's statistics); `eager outside`: the step's other "
-            "launches (the other stabilizers' terms, the optimizer, the projections; the certified losses' bound "
-            "composition, which --model.compile also compiles, is counted here eager); `compiled step`: the compiled "
+            "launches (the other stabilizers' terms, the optimizer, the projections), where the block power "
+            "iteration and Muon's constraints, which --model.compile compiles into graphs of their own, count as "
+            "those graphs' launches (the certified losses' bound composition, which it also compiles, is counted "
+            "here eager); `compiled step`: the compiled "
             "network and terms and what stays eager, and its ratio to its reference compiled (step_cost.py's: the "
             "baseline, "
             "plain Muon for its constraints, the certified losses' base for them), the compiled column's ratio where "
@@ -220,7 +296,7 @@ def main() -> None:
     body += (f"\n\nThe block power iteration alone (spectral_norm's projection over the {matrices} Linear weights of "
              f"ViT-{args.size}; Muon's constraints and the certified losses' bound take the same step), which "
              f"`--model.compile` compiles into one graph of its own: {eager:.0f} launches eager, {compiled} compiled. "
-             "The rows above count it eager, inside `eager outside`.")
+             "The rows above count it compiled, inside `eager outside`.")
     write("compiled_kernels", args, device, "The compiled step's launches, counted on the CPU", body)
 
 
