@@ -329,7 +329,9 @@ class MuonConstrained(Stabilizer):
         depend on W, so this equals W ← W + ΔW − λη·W_old) and, where needed, a copy to measure ΔW."""
         if self.weight_decay:  # one multi-tensor launch
             torch._foreach_mul_(self._matrices, [1 - self.weight_decay * eta for eta in self._etas()])
-        self._before = [p.detach().clone() for p in self._matrices] if self.measures_update else []
+        # a copy of every matrix in one multi-tensor launch (×1 is exact, signed zeros too)
+        self._before = list(torch._foreach_mul([p.detach() for p in self._matrices], 1.0)) if self.measures_update \
+            else []
         self._stepped = True
 
     @torch.no_grad()
@@ -340,7 +342,7 @@ class MuonConstrained(Stabilizer):
         etas = self._etas()
         largest = self.sigma_max * (1 - self.weight_decay * min(etas))  # the least decay: the largest norm
         if self.measures_update:
-            largest += max_rms_norm([p - b for p, b in zip(self._matrices, self._before)],
+            largest += max_rms_norm(list(torch._foreach_sub(self._matrices, self._before)),
                                     dtype=accumulation_dtype(self._matrices[0].dtype))
         elif self.optimizer == "muon":
             largest += max(etas) * newton_schulz_bound(self.ns_steps)
