@@ -74,7 +74,10 @@ def msign(matrix: torch.Tensor, growth: int = 6, polish: int = 4,
         scale = x.flatten(-2).norm(dim=-1)[..., None, None]
     elif isinstance(scale, torch.Tensor):
         scale = scale[..., None, None]
-    x = x / (scale + torch.finfo(x.dtype).tiny if isinstance(scale, torch.Tensor) else max(scale, 1e-30))
+    # a float scale is floored by a comparison, not max(): compiled, a bound that changes every step stays a graph
+    # input (a max of it is a node that AOTAutograd cannot turn into a tensor, and it would recompile each step)
+    x = x / (scale + torch.finfo(x.dtype).tiny if isinstance(scale, torch.Tensor) else
+             scale if scale > 1e-30 else 1e-30)
     x = newton_schulz(x, growth, polish)
     return x.mT if tall else x
 
@@ -114,7 +117,7 @@ def hard_cap(weight: torch.Tensor, sigma_max: float, bound: float | None = None,
     eye = torch.eye(m.shape[-2], dtype=m.dtype, device=m.device)
     sign_input = sigma_max * eye - f @ m.mT  # (r, r): eigenvalues β − pσ ∈ [β − ub, β]
     sign_scale = torch.clamp(upper - sigma_max, min=sigma_max) if isinstance(upper, torch.Tensor) else \
-        max(sigma_max, upper - sigma_max)
+        upper - sigma_max if upper - sigma_max > sigma_max else sigma_max  # (no max(): as in msign)
     q = newton_schulz(sign_input / sign_scale, sign_growth, sign_polish)
     capped = 0.5 * (sigma_max * f + m - q @ (sigma_max * f - m))
     capped = capped.mT if tall else capped

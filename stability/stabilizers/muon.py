@@ -217,19 +217,21 @@ class MuonConstrained(Stabilizer):
         self._stepped = False
         self._muon: torch.optim.Optimizer | None = None
         self._compiled_constraint = None
+        self._compile_constraint = False  # set by compile_terms; the compiled function is made on first use
         self.last_alpha = 0.0
 
     def compile_terms(self) -> None:
         """Trained compiled: the per-step power iteration of the projection (a block power iteration with
         Rayleigh–Ritz over every weight) as one compiled graph, and each shape group's constraint (the caps' matrix
         polynomials and sign iterations) as one of its own, called inside the float32 context (no gradient: the
-        whole call runs at that precision). Two entries a shape (the first takes α and the step bound as constants, the
-        second, once they change, as inputs), and one more where the hard cap's first sign changes its iteration
-        count (which follows the step bound, so the learning rate's schedule: a few in a run)."""
+        whole call runs at that precision), made on first use (again after a copy). Two entries a shape (the first takes
+        α and the step bound as constants, the second, once they change, as inputs), and one more each time the hard
+        cap's first sign changes its iteration count (which follows the step bound, so the learning rate's schedule:
+        a few in a run)."""
         if self._power is not None:
             self._power.compile()
         if self.constraint != "none" and self.method != "exact":
-            self._compiled_constraint = torch.compile(self._constrain, fullgraph=True)
+            self._compile_constraint = True
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
     def __getstate__(self) -> dict:
@@ -327,8 +329,13 @@ class MuonConstrained(Stabilizer):
     def _before_update(self) -> None:
         """After the gradients, before the update: the decoupled decay W ← (1 − λη)W (the update does not
         depend on W, so this equals W ← W + ΔW − λη·W_old) and, where needed, a copy to measure ΔW."""
-        if self.weight_decay:  # one multi-tensor launch
-            torch._foreach_mul_(self._matrices, [1 - self.weight_decay * eta for eta in self._etas()])
+        if self.weight_decay:
+            factors = [1 - self.weight_decay * eta for eta in self._etas()]
+            if all(p.dtype in (torch.float32, torch.float64) for p in self._matrices):
+                torch._foreach_mul_(self._matrices, factors)  # one multi-tensor launch
+            else:  # a foreach multiply rounds the factor to a bf16/fp16 weight's dtype; torch's mul_ does not
+                for p, factor in zip(self._matrices, factors):
+                    p.mul_(factor)
         # a copy of every matrix in one multi-tensor launch (×1 is exact, signed zeros too)
         self._before = list(torch._foreach_mul([p.detach() for p in self._matrices], 1.0)) if self.measures_update \
             else []
@@ -366,11 +373,13 @@ class MuonConstrained(Stabilizer):
         device = weights[0].device
         groups = self._power.step(weights, self.power_iterations) if (self._power is not None and not exact) \
             else None
-        constrain = self._compiled_constraint if self._compiled_constraint is not None and not exact \
-            else self._constrain
+        compiled = getattr(self, "_compile_constraint", False) and not exact
+        if compiled and self._compiled_constraint is None:
+            self._compiled_constraint = torch.compile(self._constrain, fullgraph=True)
+        constrain = self._compiled_constraint if compiled else self._constrain
         with float32_math(device.type):
             for group in groups or self._groups_by_shape(weights, exact):
-                if constrain is not self._constrain:  # a graph for each shape; α and the bound its inputs
+                if compiled:  # a graph for each shape; α and the bound its inputs
                     torch._dynamo.mark_static(group.weight)
                 projected = constrain(group, largest, exact, self.last_alpha)
                 torch._foreach_copy_([weights[i] for i in group.indices], list(projected.unbind(0)))
