@@ -25,7 +25,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # a worker: its share, whatever the con
 else:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
-QUICK = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+# every due validation measured (max_share 0): a test's measured epochs must not follow its machine's speed
+QUICK = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+         "--lipschitz.max_share", "0", "--robustness.max_share", "0"]
 SMALL_VIT = ["--model.backbone_options", "{embed_dim: 16, depth: 1, num_heads: 2}"]
 
 

@@ -133,12 +133,12 @@ def test_the_monitors_local_estimate_is_the_exact_norm_by_default_and_power_iter
         LipschitzMonitor(method="svd")
 
 
-def test_the_measurements_say_their_share_of_an_epoch_and_warn_once_above_a_tenth(caplog):
+def test_the_measurements_say_their_share_of_an_epoch_and_warn_once_above_a_tenth_when_unbounded(caplog):
     from stability.callbacks.measuring import EpochShare
 
     caplog.set_level("INFO")
     now = iter([0.0, 20.0, 100.0, 120.0, 200.0, 220.0])
-    share = EpochShare("--lipschitz.num_points", clock=lambda: next(now))
+    share = EpochShare("--lipschitz.num_points", limit=0, clock=lambda: next(now))
     assert share.report("lipschitz (fit)", 1.0) is None  # no epoch timed yet: nothing said
     share.epoch_started()
     share.validation_started()  # 20 s of training
@@ -156,6 +156,50 @@ def test_the_measurements_say_their_share_of_an_epoch_and_warn_once_above_a_tent
         assert share.report("lipschitz (fit)", 5.0) == pytest.approx(0.25)
     said = [r.getMessage() for r in caplog.records if "of this epoch's training" in r.getMessage()]
     assert said[0] == "lipschitz (fit): measurements 1 s, 5% of this epoch's training (20 s)"
+
+
+def test_measurements_above_their_share_skip_the_validations_that_keep_them_within_it(caplog):
+    """max_share 10%: a measurement that costs 35% of its epoch's training skips the next three due validations
+    (one in four: 8.75% of the training time), then measures again and re-plans from its own share; measured every
+    second epoch, the skips count in due validations; the share is the one ``agree`` gives (rank 0's in DDP)."""
+    from stability.callbacks.measuring import EpochShare
+
+    caplog.set_level("INFO")
+    share = EpochShare("--lipschitz.num_points", limit=0.1, clock=lambda: 0.0)
+    share.training = 20.0
+    assert share.due(0)
+    assert share.report("lipschitz (fit)", 7.0, epoch=0) == pytest.approx(0.35)
+    assert [share.due(e) for e in range(6)] == [False, False, False, False, True, True]
+    assert "next measured at epoch 5 (one due validation in 4" in caplog.text
+    share.training = 20.0
+    assert share.report("lipschitz (fit)", 1.0, epoch=4) == pytest.approx(0.05)  # within: the next one is due
+    assert share.due(5)
+    share.training = 20.0
+    share.report("lipschitz (fit)", 3.0, epoch=5, every_n_epochs=2, agree=lambda s: 2 * s)  # rank 0's: 30%
+    assert [share.due(e) for e in range(6, 13)] == [False] * 5 + [True, True]  # epoch 11: 3 due validations on
+    unbounded = EpochShare("--lipschitz.num_points", limit=0, clock=lambda: 0.0)
+    unbounded.training = 1.0
+    with pytest.warns(UserWarning):
+        unbounded.report("lipschitz (fit)", 5.0, epoch=0)
+    assert unbounded.due(1)
+    with pytest.raises(ValueError, match="max_share must be >= 0"):
+        EpochShare("--x", limit=-0.1)
+
+
+def test_a_fit_skips_the_validations_that_would_pass_the_measurements_share(tmp_path, scalars, tiny_vit_args, caplog):
+    """A fit whose measurements cost more than ``max_share`` of an epoch's training (a bound of 0.01% here: passed at
+    once) measures its first validation, then skips as many as the bound asks, and says so; the robustness monitor's
+    plan line names the bound."""
+    os.chdir(tmp_path)
+    caplog.set_level("INFO")
+    main(["fit", *tiny_vit_args, "--trainer.max_epochs", "3", "--trainer.limit_train_batches", "2",
+          "--lipschitz.num_points", "8", "--lipschitz.attention", "false", "--lipschitz.max_share", "0.0001",
+          "--robustness.every_n_epochs", "1", "--robustness.num_points", "8", "--robustness.attacks", "[fgsm]",
+          "--robustness.max_share", "0.0001", "--robustness.test_attacks", "[]"])
+    run = tmp_path / "runs" / "digits" / "vit" / "none" / "version_0"
+    assert len(scalars(run, "lipschitz/local_max")) == 1 and len(scalars(run, "robust/fgsm_Linf_8/255")) == 1
+    assert "lipschitz (fit): next measured at epoch" in caplog.text
+    assert "during fit at most 0.01% of an epoch's training (--robustness.max_share)" in caplog.text
 
 
 def test_monitor_options_are_checked():

@@ -42,7 +42,7 @@ from ..robustness.batch_memory import largest_batch, unit_bytes
 from ..robustness.fixed_batch import FixedBatch
 from ..testing.profiling import saved_for_backward
 from .bounds import exact_certificate
-from .measuring import EpochShare, MeasurementInterrupted, Session, results_path, store_key
+from .measuring import SHARE_LIMIT, EpochShare, MeasurementInterrupted, Session, results_path, store_key
 from .points import dataset_of, has_finite_weights, measure_batches, memory_sized, point_count
 from .precision import float32_network
 
@@ -82,13 +82,16 @@ class LipschitzMonitor(L.Callback):
     bound's ascent, each through the network compiled at one batch shape
     (:class:`~stability.robustness.fixed_batch.FixedBatch`): on a GPU few large kernels in place of one launch per
     operation, the numbers equal up to rounding. Power iteration (its double backward), the variant from the patch
-    embedding (a hook inside the network) and the attention diagnostics stay eager."""
+    embedding (a hook inside the network) and the attention diagnostics stay eager. ``max_share``: the bound on the
+    measurements at validation during fit, a share of an epoch's training time (10%: later validations are skipped
+    where one costs more, :class:`~stability.callbacks.measuring.EpochShare`; 0: every ``every_n_epochs``)."""
 
     def __init__(self, every_n_epochs: int = 1, num_points: int = 64, test_num_points: int | None = None,
                  iterations: int = 10, exclude_patch_embed: bool = False, lower_bound: bool = True,
                  weights: bool = True, attention: bool = True, attention_points: int = 16, per_head: bool = False,
                  batch_size: int | Literal["memory"] = 64, pair_points: int = 0, pair_steps: int = 200,
-                 method: Literal["auto", "exact", "power"] = "auto", compile: bool = False) -> None:
+                 method: Literal["auto", "exact", "power"] = "auto", compile: bool = False,
+                 max_share: float = SHARE_LIMIT) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
         self.method, self.compile = method, bool(compile)
@@ -113,7 +116,8 @@ class LipschitzMonitor(L.Callback):
         self._sized: dict[tuple, int] = {}  # memory-sized batches, by (stage, points, pairs)
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
         self._share = EpochShare("--lipschitz.num_points, --lipschitz.attention_points, --lipschitz.pair_points, "
-                                 "--lipschitz.every_n_epochs")
+                                 "--lipschitz.every_n_epochs", limit=max_share)
+        self.max_share = max_share
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._share.epoch_started()
@@ -123,11 +127,13 @@ class LipschitzMonitor(L.Callback):
             self._share.validation_started()
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
+        if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs \
+                or not self._share.due(trainer.current_epoch):
             return
         started = time.perf_counter()
         self._measure(trainer, pl_module, trainer.val_dataloaders, self.num_points, "fit")
-        self._share.report("lipschitz (fit)", time.perf_counter() - started)
+        self._share.report("lipschitz (fit)", time.perf_counter() - started, trainer.current_epoch,
+                           self.every_n_epochs, lambda share: trainer.strategy.broadcast(share, src=0))
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs:

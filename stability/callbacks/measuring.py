@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -156,14 +157,24 @@ SHARE_LIMIT = 0.10  # of an epoch's training time, for the measurements a monito
 
 class EpochShare:
     """What a monitor's measurements at a validation during fit cost, against the training time of the epoch so far
-    (from the epoch's start to its validation): one line after them, and a warning, once, when they take more than
-    :data:`SHARE_LIMIT` of it, with the options that limit them. On a GPU a small model's epoch takes seconds, and
-    measurements sized for a CPU can take longer than the training itself."""
+    (from the epoch's start to its validation), and the bound on it. On a GPU a small model's epoch takes seconds,
+    and measurements sized for a CPU can take longer than the training itself.
 
-    def __init__(self, options: str, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.options, self.clock = options, clock
+    After each measurement: one line with its share. Where the share s exceeds ``limit`` (the monitor's
+    ``max_share``, 10% by default), the next ⌈s / limit⌉ − 1 due validations are skipped, so that over the run the
+    measurements cost at most ``limit`` of the training time, and a line says which epoch is measured next (the
+    points and seeds of a measured epoch are unchanged; which epochs are measured then follows this machine's
+    speed). ``limit`` 0 measures every due validation and only warns, once, above :data:`SHARE_LIMIT`. In DDP the
+    share is rank 0's (``agree``), so every process skips the same validations."""
+
+    def __init__(self, options: str, limit: float = SHARE_LIMIT,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if limit < 0:
+            raise ValueError(f"max_share must be >= 0 (0: no bound), got {limit}")
+        self.options, self.limit, self.clock = options, limit, clock
         self.started: float | None = None
         self.training: float | None = None
+        self.next_epoch = 0
         self.warned = False
 
     def epoch_started(self) -> None:
@@ -173,14 +184,27 @@ class EpochShare:
         if self.started is not None:
             self.training = self.clock() - self.started
 
-    def report(self, label: str, seconds: float) -> float | None:
-        """Say the share ``seconds`` is of this epoch's training (None where the epoch was not timed)."""
+    def due(self, epoch: int) -> bool:
+        """Whether the validation of ``epoch`` (0-based) is measured, as far as the bound goes."""
+        return epoch >= self.next_epoch
+
+    def report(self, label: str, seconds: float, epoch: int | None = None, every_n_epochs: int = 1,
+               agree: Callable[[float], float] = lambda share: share) -> float | None:
+        """Say the share ``seconds`` is of this epoch's training (None where the epoch was not timed); above the
+        limit, skip the validations that keep the measurements within it (from ``epoch``, measured every
+        ``every_n_epochs``)."""
         if not self.training:
             return None
-        share = seconds / self.training
+        share = float(agree(seconds / self.training))
         rank_zero_info(f"{label}: measurements {format_seconds(seconds)}, {share:.0%} of this epoch's training "
                        f"({format_seconds(self.training)})")
-        if share > SHARE_LIMIT and not self.warned:
+        if self.limit and share > self.limit and epoch is not None:
+            cycles = math.ceil(share / self.limit)
+            self.next_epoch = epoch + every_n_epochs * cycles
+            rank_zero_info(f"{label}: next measured at epoch {self.next_epoch + 1} (one due validation in {cycles} "
+                           f"keeps the measurements within {self.limit * 100:g}% of the training time; max_share "
+                           f"sets the bound, {self.options} the measurements' size)")
+        elif not self.limit and share > SHARE_LIMIT and not self.warned:
             rank_zero_warn(f"{label}: the measurements take {share:.0%} of an epoch's training time (more than "
                            f"{SHARE_LIMIT:.0%}); limit them with {self.options}")
             self.warned = True

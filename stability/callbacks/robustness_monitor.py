@@ -34,6 +34,7 @@ from ..robustness.batch_memory import memory_sized_batch
 from ..robustness.fixed_batch import attacked_network, paid_points
 from .bounds import exact_certificate
 from .measuring import (
+    SHARE_LIMIT,
     EpochShare,
     MeasurementInterrupted,
     Session,
@@ -76,6 +77,9 @@ class RobustnessMonitor(L.Callback):
             The numbers equal the eager ones up to rounding (a point on the edge of its budget can fall the other
             way). Clean and certified accuracy stay eager.
         seed: base seed (batch b uses seed + b).
+        max_share: the bound on the evaluations during fit, a share of an epoch's training time (10%: later
+            validations are skipped where one costs more, :class:`~stability.callbacks.measuring.EpochShare`; 0:
+            every ``every_n_epochs``).
     """
 
     def __init__(self, every_n_epochs: int = 5, num_points: int = 128, test_num_points: int | None = None,
@@ -89,7 +93,7 @@ class RobustnessMonitor(L.Callback):
                  batch_size: int | Literal["memory"] = 256,
                  autoattack_batch_size: int | Literal["memory"] | None = None,
                  compile: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, max_share: float = SHARE_LIMIT) -> None:
         for name in (*attacks, *test_attacks):
             if name not in ATTACKS:
                 raise ValueError(f"unknown attack {name!r}; choose from {ATTACKS}")
@@ -124,7 +128,9 @@ class RobustnessMonitor(L.Callback):
         self._said_no_bound = False
         self._sized: dict[tuple, int] = {}  # memory-sized batches, by (what, stage, points)
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
-        self._share = EpochShare("--robustness.num_points, --robustness.attacks, --robustness.every_n_epochs")
+        self._share = EpochShare("--robustness.num_points, --robustness.attacks, --robustness.every_n_epochs",
+                                 limit=max_share)
+        self.max_share = max_share
 
     def specs(self, attacks: Sequence[str]) -> list[AttackSpec]:
         specs = []
@@ -142,11 +148,13 @@ class RobustnessMonitor(L.Callback):
             self._share.validation_started()
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
+        if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs \
+                or not self._share.due(trainer.current_epoch):
             return
         started = time.perf_counter()
         self._evaluate(trainer, pl_module, trainer.val_dataloaders, self.attacks, self.num_points, "fit")
-        self._share.report("robustness (fit)", time.perf_counter() - started)
+        self._share.report("robustness (fit)", time.perf_counter() - started, trainer.current_epoch,
+                           self.every_n_epochs, lambda share: trainer.strategy.broadcast(share, src=0))
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs:
@@ -282,7 +290,9 @@ class RobustnessMonitor(L.Callback):
                     * per_pass[id(network)]
             parts.append(f"{spec.label} on {prefix[spec.label]}")
         limits = "--robustness.test_num_points, --robustness.attack_num_points, --robustness.autoattack_num_points" \
-            if stage == "test" else "--robustness.num_points, --robustness.every_n_epochs"
+            if stage == "test" else ("--robustness.num_points, --robustness.every_n_epochs" + (
+                f"; during fit at most {self.max_share * 100:g}% of an epoch's training (--robustness.max_share)"
+                if self.max_share else ""))
         worst = " if every point resists every attack" if any(s.name.startswith("autoattack") for s in specs) else ""
         rank_zero_info(f"robustness ({stage}): {', '.join(parts)} points — at most ≈ {format_seconds(seconds)} on this "
                        f"machine{worst} ({max(per_pass.values()) * 1e3:.3g} ms a forward and backward pass per "
