@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -103,18 +103,15 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             put_weights_at_the_cap(module)
         with cuda_path(module):
             if compile:
-                torch._dynamo.reset()
-                with generated_modules() as sources:
-                    network_pass(module, images, precision, compiled=True)
-                result["compiled"] = sum(wrapper_launches(source) for source in sources)
+                result["compiled"] = generated_launches(
+                    lambda m=module: network_pass(m, images, precision, compiled=True))
                 step = logits_step(module, images, labels, precision)
-                with generated_modules() as sources:
-                    terms_pass(module, step)
-                result["terms compiled"] = sum(wrapper_launches(source) for source in sources)
+                result["terms compiled"] = generated_launches(lambda m=module, s=step: terms_pass(m, s), fresh=False)
                 continue
             optimizer = module.build_optimizer()
             train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
-            with power_steps() as calls, constraint_steps() as constrained:
+            with recorded_calls(SubspaceIteration, "step") as calls, \
+                    recorded_calls(MuonConstrained, "_constrain") as constrained:
                 step = count(lambda m=module, o=optimizer: train_step(m, o, images, labels, precision, 2))
             result["step"] = step.launches
             power = power_step_launches(calls)
@@ -132,17 +129,28 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
     return result
 
 
+def generated_launches(run: Callable[[], object], fresh: bool = True) -> int:
+    """The launching statements of the code Inductor generates while ``run()`` runs (``fresh``: Dynamo's caches
+    reset first, so that what ``run`` compiles is compiled, and counted, anew)."""
+    if fresh:
+        torch._dynamo.reset()
+    with generated_modules() as sources:
+        run()
+    return sum(wrapper_launches(source) for source in sources)
+
+
 @contextlib.contextmanager
-def power_steps() -> Iterator[list[tuple]]:
-    """The block power-iteration steps taken inside the block: (the iteration, its matrices, iterations) each."""
+def recorded_calls(owner: type, method: str) -> Iterator[list[tuple]]:
+    """The calls of ``owner.method`` made inside the block, each (the instance, its positional arguments, its keyword
+    arguments), the arguments not copied (a copy would launch inside the count)."""
     calls: list[tuple] = []
-    original = SubspaceIteration.step
+    original = getattr(owner, method)
 
-    def recording(self, matrices, iterations=1):
-        calls.append((self, list(matrices), iterations))  # no copy: launches inside the count
-        return original(self, matrices, iterations)
+    def recording(self, *args, **kwargs):
+        calls.append((self, args, kwargs))
+        return original(self, *args, **kwargs)
 
-    with mock.patch.object(SubspaceIteration, "step", recording):
+    with mock.patch.object(owner, method, recording):
         yield calls
 
 
@@ -150,49 +158,34 @@ def power_step_launches(calls: list[tuple]) -> tuple[int, int]:
     """The eager launches of the recorded power-iteration steps, and those of the graph ``--model.compile`` runs
     them as (:meth:`SubspaceIteration.compile`): a compiled step counts the latter in place of the former."""
     eager = compiled = 0
-    for power, matrices, iterations in calls:
-        eager += count(lambda p=power, m=matrices, i=iterations: p.step(m, i)).launches
+    for power, args, kwargs in calls:
+        eager += count(lambda p=power, a=args, k=kwargs: p.step(*a, **k)).launches
         was = power.compiled
         power.compile()
-        torch._dynamo.reset()
-        with generated_modules() as sources:
-            power.step(matrices, iterations)
+        compiled += generated_launches(lambda p=power, a=args, k=kwargs: p.step(*a, **k))
         power.compiled = was
-        compiled += sum(wrapper_launches(source) for source in sources)
     return eager, compiled
-
-
-@contextlib.contextmanager
-def constraint_steps() -> Iterator[list[tuple]]:
-    """Muon's constraint of each shape group taken inside the block: (the stabilizer, its arguments) each."""
-    calls: list[tuple] = []
-    original = MuonConstrained._constrain
-
-    def recording(self, *args):
-        calls.append((self, args))
-        return original(self, *args)
-
-    with mock.patch.object(MuonConstrained, "_constrain", recording):
-        yield calls
 
 
 def constraint_launches(calls: list[tuple]) -> tuple[int, int]:
     """The eager launches of the recorded constraints, and those of the graphs ``--model.compile`` runs them as
     (:meth:`MuonConstrained.compile_terms`; the exact SVD path stays eager)."""
     eager = compiled = 0
-    for stab, args in calls:
+    for stab, args, _ in calls:  # _project passes them all by position
         device = args[0].weight.device.type
         with float32_math(device):
             eager += count(lambda s=stab, a=args: s._constrain(*a)).launches
         if args[2]:  # exact
             compiled += count(lambda s=stab, a=args: s._constrain(*a)).launches
             continue
-        torch._dynamo.reset()
         graph = torch.compile(stab._constrain, fullgraph=True)
-        with generated_modules() as sources, float32_math(device):
-            torch._dynamo.mark_static(args[0].weight)
-            graph(*args)
-        compiled += sum(wrapper_launches(source) for source in sources)
+
+        def run(graph=graph, args=args, device=device):
+            with float32_math(device):
+                torch._dynamo.mark_static(args[0].weight)
+                graph(*args)
+
+        compiled += generated_launches(run)
     return eager, compiled
 
 
@@ -204,12 +197,7 @@ def power_iteration_launches(size: str, tokens: int) -> tuple[int, int, int]:
     module, _ = build_module("vit", size, "spectral_norm", image_size=image_size, device=torch.device("cpu"),
                              backbone_options=options)
     power, weights = module.stabilizers[0]._power, module.stabilizers[0]._weights()
-    eager = count(lambda: power.step(weights, 1)).launches
-    power.compile()
-    torch._dynamo.reset()
-    with generated_modules() as sources:
-        power.step(weights, 1)
-    return len(weights), eager, sum(wrapper_launches(source) for source in sources)
+    return len(weights), *power_step_launches([(power, (weights, 1), {})])
 
 
 def terms_pass(module, step: ForwardStep) -> None:
