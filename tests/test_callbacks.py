@@ -184,6 +184,8 @@ def test_measurements_above_their_share_skip_the_validations_that_keep_them_with
     assert unbounded.due(1)
     with pytest.raises(ValueError, match="max_share must be >= 0"):
         EpochShare("--x", limit=-0.1)
+    fresh = EpochShare("--x")  # the schedule itself: every second epoch (1 and 3, 0-based), none with 0
+    assert [fresh.due(e, 2) for e in range(4)] == [False, True, False, True] and not fresh.due(0, 0)
 
 
 def test_a_fit_skips_the_validations_that_would_pass_the_measurements_share(tmp_path, scalars, tiny_vit_args, caplog):

@@ -184,9 +184,10 @@ class EpochShare:
         if self.started is not None:
             self.training = self.clock() - self.started
 
-    def due(self, epoch: int) -> bool:
-        """Whether the validation of ``epoch`` (0-based) is measured, as far as the bound goes."""
-        return epoch >= self.next_epoch
+    def due(self, epoch: int, every_n_epochs: int = 1) -> bool:
+        """Whether the validation of ``epoch`` (0-based) is measured: one every ``every_n_epochs`` (0: none), less
+        those the bound skips."""
+        return bool(every_n_epochs) and (epoch + 1) % every_n_epochs == 0 and epoch >= self.next_epoch
 
     def report(self, label: str, seconds: float, epoch: int | None = None, every_n_epochs: int = 1,
                agree: Callable[[float], float] = lambda share: share) -> float | None:

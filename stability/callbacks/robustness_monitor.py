@@ -148,8 +148,7 @@ class RobustnessMonitor(L.Callback):
             self._share.validation_started()
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs \
-                or not self._share.due(trainer.current_epoch):
+        if trainer.sanity_checking or not self._share.due(trainer.current_epoch, self.every_n_epochs):
             return
         started = time.perf_counter()
         self._evaluate(trainer, pl_module, trainer.val_dataloaders, self.attacks, self.num_points, "fit")
