@@ -43,6 +43,16 @@ from .precision import autocast_off, ieee_float32
 BLOCK_BYTES = 512 * 2 ** 20  # float32 logits per block (one held at a time, forward and backward)
 EXACT_IN_TF32 = (torch.bfloat16, torch.float16)  # inputs whose products TF32 computes exactly
 
+
+def products_exact_in_tf32(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q and k hold values whose products TF32 computes exactly: bf16 or fp16, both alike."""
+    return q.dtype == k.dtype and q.dtype in EXACT_IN_TF32
+
+
+def power_of_two(scale: float) -> bool:
+    """Whether multiplying by ``scale`` is exact (bf16 values stay bf16 values), so it can be applied to q once."""
+    return math.frexp(scale)[0] == 0.5
+
 def _products(device_type: str, exact_in_tf32: bool):
     """Autocast off; TF32 as the run sets it where the inputs' products are exact in it, else IEEE float32."""
     off = autocast_off(device_type)
@@ -69,7 +79,7 @@ class _RowStatistics(torch.autograd.Function):
         top = q.new_empty(*q.shape[:-1], count)
         index = torch.empty(*q.shape[:-1], count, dtype=torch.long, device=q.device)
         keys_t = k.transpose(-1, -2)
-        exact_scale = math.frexp(scale)[0] == 0.5  # a power of two: q·scale is exact (bf16 values stay bf16 values)
+        exact_scale = power_of_two(scale)
         with _products(q.device.type, low is not None):
             scaled = q * scale if exact_scale else q  # once, on (…, N, d), instead of on every (…, rows, M) block
             for start in range(0, n_rows, block):
@@ -121,7 +131,7 @@ def _block_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int
     """LSE and top ``count`` logits of the rows of one block, in float32 at least, autocast off."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
     with autocast_off(q.device.type):
-        if math.frexp(scale)[0] == 0.5:  # a power of two: q·scale is exact, and fused into q's cast (one kernel less)
+        if power_of_two(scale):  # q·scale exact, and fused into q's cast (one kernel less)
             return _top_and_lse((q.to(dtype) * scale) @ k.to(dtype).transpose(-1, -2), count)
         return _top_and_lse((q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale, count)
 
@@ -133,9 +143,10 @@ def _top_and_lse(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.
 def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
                               block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_statistics` for a compiled graph: the same LSE and top logits, differentiated by autograd and
-    recomputed in the backward a block at a time (activation checkpointing, which torch.compile honours: only q and
-    k are saved, nothing of size N²). Its backward, ∂/∂s_im = ḡ_LSE,i·p_im + Σ_j ḡ_top,ij·[m = idx_ij], is then
-    autograd's, fused by Inductor with the recomputed logits (one product forward, three backward). ``block``
+    recomputed in the backward a block at a time (activation checkpointing, which torch.compile honours: only q, k
+    and the top-k's values and indices are saved, nothing of size N²). Its backward,
+    ∂/∂s_im = ḡ_LSE,i·p_im + Σ_j ḡ_top,ij·[m = idx_ij], is then autograd's, fused by Inductor with the recomputed
+    logits (one product forward, three backward). ``block``
     defaults to :func:`block_rows`, whose comparison Dynamo keeps as a guard: every batch that fits one block runs
     the same graph. The products run at the matmul precision of the moment (autocast off), the backward's at the
     backward's: bf16 / fp16 values multiply exactly under TF32 (the backward's float32 dS is rounded to TF32 there);
@@ -161,7 +172,7 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
     block = block_rows(q, k) if block is None else block
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
-    low = q.dtype if q.dtype in EXACT_IN_TF32 and k.dtype == q.dtype else None
+    low = q.dtype if products_exact_in_tf32(q, k) else None
     dtype = torch.promote_types(q.dtype, torch.float32)
     lse, top, _ = _RowStatistics.apply(q.to(dtype), k.to(dtype), float(scale), int(count), int(block), low)
     return lse, top

@@ -24,14 +24,14 @@ import torch
 
 from ..models import supports_query_key_capture
 from ..nn.precision import autocast_off, float32_math
-from ..nn.row_statistics import EXACT_IN_TF32, top_probabilities_streamed
+from ..nn.row_statistics import products_exact_in_tf32, top_probabilities_streamed
 from ..nn.softmax_bounds import g_k_of_top, top_probabilities
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
 
 def exact_in_tf32(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether every (q, k) pair holds values whose products TF32 computes exactly (bf16 or fp16, both alike)."""
-    return all(q.dtype == k.dtype and q.dtype in EXACT_IN_TF32 for q, k in pairs)
+    """Whether every (q, k) pair holds values whose products TF32 computes exactly."""
+    return all(products_exact_in_tf32(q, k) for q, k in pairs)
 
 
 def tf32_products(device_type: str) -> bool:
