@@ -42,6 +42,17 @@ def newton_schulz_stack(stack: Tensor, coefficients: tuple[float, float, float],
 orthogonalise = newton_schulz_stack  # what the optimizer calls (stability/testing/parity.py swaps in float32)
 
 
+def multiply_in_place(tensors: list[Tensor], factors: float | list[float]) -> None:
+    """tensors[i] ← factor·tensors[i], one factor for all or one each: a multi-tensor multiply (one launch) on float32
+    and float64 tensors; on bf16 / fp16 ones each tensor's own ``mul_``, because a multi-tensor multiply rounds the
+    factor to their dtype (0.998 → 0.996 in bf16 on the CPU) where ``mul_`` keeps it exact."""
+    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
+        torch._foreach_mul_(tensors, factors)
+        return
+    for t, factor in zip(tensors, factors if isinstance(factors, list) else [factors] * len(tensors)):
+        t.mul_(factor)
+
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """torch.optim.Muon's learning-rate adjustment for a matrix of ``shape`` (A, B): ``original`` (the default)
     lr·√max(1, A/B), ``match_rms_adamw`` 0.2·lr·√max(A, B)."""
@@ -87,12 +98,7 @@ class ShapeBatchedMuon(torch.optim.Muon):
         for (group, params, _), updates in zip(stepped, orthogonal):
             lr = float(group["lr"])
             if group["weight_decay"]:
-                decay = 1 - lr * group["weight_decay"]
-                if all(p.dtype in (torch.float32, torch.float64) for p in params):
-                    torch._foreach_mul_(params, decay)
-                else:  # a foreach multiply rounds the factor to a bf16/fp16 weight's dtype; torch's mul_ does not
-                    for p in params:
-                        p.mul_(decay)
+                multiply_in_place(params, 1 - lr * group["weight_decay"])
             by_rate: dict[float, list[int]] = {}
             for i, p in enumerate(params):
                 by_rate.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], p.shape), []).append(i)
@@ -120,4 +126,4 @@ class ShapeBatchedMuon(torch.optim.Muon):
         return out
 
 
-__all__ = ["ShapeBatchedMuon", "adjusted_lr", "newton_schulz_stack", "orthogonalise"]
+__all__ = ["ShapeBatchedMuon", "adjusted_lr", "multiply_in_place", "newton_schulz_stack", "orthogonalise"]

@@ -47,7 +47,7 @@ from ..nn.precision import accumulation_dtype, float32_math
 from ..nn.spectral import RECOMPILE_LIMIT, SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
 from ..optim import LR_SHAPE_FACTOR, nominal_lr
 from ..optim_combined import CombinedOptimizer
-from ..optim_muon import ShapeBatchedMuon
+from ..optim_muon import ShapeBatchedMuon, multiply_in_place
 from .base import Stabilizer, register_stabilizer
 
 NS_COEFFICIENTS = constraints.JORDAN_QUINTIC  # torch.optim.Muon's defaults (Keller Jordan's quintic)
@@ -330,12 +330,7 @@ class MuonConstrained(Stabilizer):
         """After the gradients, before the update: the decoupled decay W ← (1 − λη)W (the update does not
         depend on W, so this equals W ← W + ΔW − λη·W_old) and, where needed, a copy to measure ΔW."""
         if self.weight_decay:
-            factors = [1 - self.weight_decay * eta for eta in self._etas()]
-            if all(p.dtype in (torch.float32, torch.float64) for p in self._matrices):
-                torch._foreach_mul_(self._matrices, factors)  # one multi-tensor launch
-            else:  # a foreach multiply rounds the factor to a bf16/fp16 weight's dtype; torch's mul_ does not
-                for p, factor in zip(self._matrices, factors):
-                    p.mul_(factor)
+            multiply_in_place(self._matrices, [1 - self.weight_decay * eta for eta in self._etas()])
         # a copy of every matrix in one multi-tensor launch (×1 is exact, signed zeros too)
         self._before = list(torch._foreach_mul([p.detach() for p in self._matrices], 1.0)) if self.measures_update \
             else []
