@@ -117,7 +117,6 @@ class LipschitzMonitor(L.Callback):
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
         self._share = EpochShare("--lipschitz.num_points, --lipschitz.attention_points, --lipschitz.pair_points, "
                                  "--lipschitz.every_n_epochs", limit=max_share)
-        self.max_share = max_share
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._share.epoch_started()

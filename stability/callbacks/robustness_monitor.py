@@ -130,7 +130,6 @@ class RobustnessMonitor(L.Callback):
         self.last_results: dict[str, dict] = {}  # by stage: what was measured last (results.json)
         self._share = EpochShare("--robustness.num_points, --robustness.attacks, --robustness.every_n_epochs",
                                  limit=max_share)
-        self.max_share = max_share
 
     def specs(self, attacks: Sequence[str]) -> list[AttackSpec]:
         specs = []
@@ -290,8 +289,8 @@ class RobustnessMonitor(L.Callback):
             parts.append(f"{spec.label} on {prefix[spec.label]}")
         limits = "--robustness.test_num_points, --robustness.attack_num_points, --robustness.autoattack_num_points" \
             if stage == "test" else ("--robustness.num_points, --robustness.every_n_epochs" + (
-                f"; during fit at most {self.max_share * 100:g}% of an epoch's training (--robustness.max_share)"
-                if self.max_share else ""))
+                f"; during fit at most {self._share.limit * 100:g}% of an epoch's training (--robustness.max_share)"
+                if self._share.limit else ""))
         worst = " if every point resists every attack" if any(s.name.startswith("autoattack") for s in specs) else ""
         rank_zero_info(f"robustness ({stage}): {', '.join(parts)} points — at most ≈ {format_seconds(seconds)} on this "
                        f"machine{worst} ({max(per_pass.values()) * 1e3:.3g} ms a forward and backward pass per "
