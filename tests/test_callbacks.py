@@ -202,6 +202,15 @@ def test_a_fit_skips_the_validations_that_would_pass_the_measurements_share(tmp_
     assert len(scalars(run, "lipschitz/local_max")) == 1 and len(scalars(run, "robust/fgsm_Linf_8/255")) == 1
     assert "lipschitz (fit): next measured at epoch" in caplog.text
     assert "during fit at most 0.01% of an epoch's training (--robustness.max_share)" in caplog.text
+    # resumed for two more epochs: the checkpoint carries the schedule, so the resumed run skips them too (without
+    # it, the first resumed validation would be measured again)
+    main(["fit", *tiny_vit_args, "--trainer.max_epochs", "5", "--trainer.limit_train_batches", "2",
+          "--lipschitz.num_points", "8", "--lipschitz.attention", "false", "--lipschitz.max_share", "0.0001",
+          "--robustness.every_n_epochs", "1", "--robustness.num_points", "8", "--robustness.attacks", "[fgsm]",
+          "--robustness.max_share", "0.0001", "--robustness.test_attacks", "[]",
+          "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
+    assert [p.name for p in run.parent.iterdir()] == ["version_0"] and len(scalars(run, "val/acc")) == 5
+    assert len(scalars(run, "lipschitz/local_max")) == 1 and len(scalars(run, "robust/fgsm_Linf_8/255")) == 1
 
 
 def test_monitor_options_are_checked():

@@ -165,7 +165,9 @@ class EpochShare:
     measurements cost at most ``limit`` of the training time, and a line says which epoch is measured next (the
     points and seeds of a measured epoch are unchanged; which epochs are measured then follows this machine's
     speed). ``limit`` 0 measures every due validation and only warns, once, above :data:`SHARE_LIMIT`. In DDP the
-    share is rank 0's (``agree``), so every process skips the same validations."""
+    share is rank 0's (``agree``), so every process skips the same validations. The schedule (the next measured
+    epoch) travels in the monitor's checkpoint state, so that a resumed run skips what the run it resumes would
+    have skipped."""
 
     def __init__(self, options: str, limit: float = SHARE_LIMIT,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -179,6 +181,12 @@ class EpochShare:
 
     def epoch_started(self) -> None:
         self.started, self.training = self.clock(), None
+
+    def state_dict(self) -> dict:
+        return {"next_epoch": self.next_epoch, "warned": self.warned}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_epoch, self.warned = int(state["next_epoch"]), bool(state["warned"])
 
     def validation_started(self) -> None:
         if self.started is not None:

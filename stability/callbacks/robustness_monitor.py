@@ -142,6 +142,13 @@ class RobustnessMonitor(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._share.epoch_started()
 
+    def state_dict(self) -> dict:
+        return {"share": self._share.state_dict()}  # which validations the bound skips, for a resumed run
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "share" in state_dict:  # absent from checkpoints written before the bound existed
+            self._share.load_state_dict(state_dict["share"])
+
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             self._share.validation_started()
