@@ -4,7 +4,8 @@ torch.optim.Muon (2.9–2.11) steps one matrix at a time: per matrix a momentum 
 five Newton–Schulz iterations (three matrix products each), the decay and the update — about 23 kernel launches a
 matrix, 1,700 a step on ViT-S, where the model's own step is under 700. :class:`ShapeBatchedMuon` computes the same
 update with every matrix of one shape stacked: the momentum as one ``_foreach`` operation per parameter group, each
-Newton–Schulz product as one batched product per shape (``bmm``/``baddbmm``), the decay and the update one ``_foreach``
+Newton–Schulz product as one batched product per shape on the wide side (``bmm``/``baddbmm``; a tall matrix joins the
+wide ones of its transposed shape, so ViT's fc1 and fc2 share one batch), the decay and the update one ``_foreach``
 operation per group and learning rate. Its state (``momentum_buffer`` per matrix), parameter groups and options are
 torch.optim.Muon's, so checkpoints move between the two. (One difference: with bfloat16 weights and no Nesterov,
 torch's Newton–Schulz divides the momentum buffer itself in place — ``grad.bfloat16()`` is the buffer — where this
@@ -109,19 +110,28 @@ class ShapeBatchedMuon(torch.optim.Muon):
     @staticmethod
     def _orthogonalised(stepped) -> list[list[Tensor]]:
         """Each group's updates orthogonalised, every matrix of one shape (and iteration settings) across all groups
-        in one batch."""
+        in one batch, a tall matrix beside the wide ones of its transposed shape (torch's Newton–Schulz transposes
+        it to the wide side first: ViT's fc1 and fc2 share a batch)."""
         batches: dict[tuple, list[tuple[int, int]]] = {}
         for g, (group, _, updates) in enumerate(stepped):
             settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
             for i, u in enumerate(updates):
-                batches.setdefault((tuple(u.shape), u.dtype, u.device, settings), []).append((g, i))
+                wide = tuple(u.shape) if u.shape[-2] <= u.shape[-1] else tuple(u.shape[::-1])
+                batches.setdefault((wide, u.dtype, u.device, settings), []).append((g, i))
         out = [[None] * len(updates) for _, _, updates in stepped]
-        for (_, _, _, (coefficients, steps, eps)), members in batches.items():
-            stack = torch.stack([stepped[g][2][i] for g, i in members])
+        for (_, dtype, _, (coefficients, steps, eps)), members in batches.items():
+            tall = [stepped[g][2][i].shape[-2] > stepped[g][2][i].shape[-1] for g, i in members]
+            members = [m for m, t in zip(members, tall) if not t] + [m for m, t in zip(members, tall) if t]
+            wide = len(tall) - sum(tall)
+            stack = torch.stack([stepped[g][2][i].mT if k >= wide else stepped[g][2][i] for k, (g, i) in
+                                 enumerate(members)])
+            orthogonal = orthogonalise(stack, coefficients, steps, eps)
             # in the weights' dtype and layout (bf16 → float32 is exact; the update adds in float32 either way), so
             # that the update's _foreach_add_ takes CUDA's fused path: it needs one dtype and one layout in its lists
-            orthogonal = orthogonalise(stack, coefficients, steps, eps).to(stack.dtype).contiguous()
-            for (g, i), matrix in zip(members, orthogonal.unbind(0)):
+            parts = [orthogonal[:wide].to(dtype=dtype, memory_format=torch.contiguous_format),
+                     orthogonal[wide:].mT.to(dtype=dtype, memory_format=torch.contiguous_format)]
+            matrices = [m for part in parts if len(part) for m in part.unbind(0)]
+            for (g, i), matrix in zip(members, matrices):
                 out[g][i] = matrix
         return out
 

@@ -69,8 +69,8 @@ def test_an_adjustment_it_lacks_is_refused_by_name():
         optim_muon.adjusted_lr(1.0, "spectral", (2, 3))
 
 
-def launches(optimizer_class, matrices: int) -> int:
-    params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(matrices)]
+def launches(optimizer_class, matrices: int, shapes: list[tuple[int, int]] | None = None) -> int:
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes or [(16, 16)] * matrices]
     optimizer = optimizer_class(params, lr=0.01, momentum=0.9, weight_decay=0.0, adjust_lr_fn="original")
 
     def step():
@@ -88,6 +88,14 @@ def test_a_steps_launches_do_not_grow_with_the_matrices_of_a_shape():
     theirs = launches(torch.optim.Muon, 12) - launches(torch.optim.Muon, 4)
     ours = launches(ShapeBatchedMuon, 12) - launches(ShapeBatchedMuon, 4)
     assert theirs >= 8 * 15 and ours <= 8 * 2, (theirs, ours)
+
+
+def test_a_tall_matrix_shares_the_batch_of_its_transposed_shape():
+    """fc1 (4D × D) and fc2 (D × 4D): one batch on the wide side, as two wide matrices are (one launch more: the
+    tall update's copy back to its layout), where two batches would launch twice the iteration."""
+    pair = launches(ShapeBatchedMuon, 2, [(16, 48), (16, 48)])
+    assert pair <= launches(ShapeBatchedMuon, 2, [(16, 48), (48, 16)]) <= pair + 1
+    assert 2 * launches(ShapeBatchedMuon, 1, [(48, 16)]) > pair + 15
 
 
 def test_the_updates_reach_the_weights_in_their_dtype_and_layout(monkeypatch):
