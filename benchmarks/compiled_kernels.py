@@ -4,15 +4,16 @@
     python benchmarks/compiled_kernels.py --cases "none;qk_norm;jasmin k=10"
 
 ``--model.compile true`` compiles the network: its forward and backward become the statements of Inductor's
-generated code that launch — its own kernels (the CPU's C++ ones standing in for a GPU's Triton ones: the fusion
-decisions are largely the same) and the library calls it keeps (matrix products, fused attention), counted in the
-code itself. The optimizer, the projections and most stabilizers' terms stay eager; a term that compiles whole
-(``Stabilizer.compiles_whole_term``: Specformer's penalty, JaSMin's statistics) is counted the same way, from the
-code generated for its forward and backward. So a compiled step launches
+generated code that launch — its own kernels (the CPU's C++ ones standing in for a GPU's Triton ones, counted both
+as their loop nests, a GPU kernel each, and as the functions the CPU calls: :func:`wrapper_launches`) and the library
+calls it keeps (matrix products, fused attention), counted in the code itself. The optimizer, the projections and
+most stabilizers' terms stay eager; a term that compiles whole (``Stabilizer.compiles_whole_term``: Specformer's
+penalty, JaSMin's statistics) is counted the same way, from the code generated for its forward and backward. So a
+compiled step launches
 
     the compiled network's launches + the compiled terms' + (the eager step's launches − the eager network's
-    − the eager launches of the terms that compile − the eager launches of the power iterations and Muon's
-    constraints + the launches of their compiled graphs)
+    − the eager launches of the terms that compile − the eager launches of the power iterations, Muon's
+    constraints and the certified losses' bound composition + the launches of their compiled graphs)
 
 counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at 1 and 2
 blocks and extrapolated to the preset's depth (each count is affine in depth; the kernels do not depend on the
@@ -28,12 +29,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import torch
 import torch._inductor.config as inductor_config
 from common import arguments, build_module, markdown, setup, train_step, write
 from step_cost import CASES, case_labels, geometry, put_weights_at_the_cap, selected
 from torch._inductor.graph import GraphLowering
 
+from stability.lipschitz import training_bound
 from stability.models import capture_queries_keys
 from stability.models.registry import PRESETS
 from stability.nn.precision import float32_math
@@ -50,19 +53,37 @@ KERNEL = re.compile(r"^(\w+) = async_compile\.", re.M)  # a kernel the module ge
 NO_LAUNCH = ("aten.view", "aten.reshape", "aten.as_strided", "aten.permute", "aten.expand")
 
 
-def wrapper_launches(source: str) -> int:
-    """The launching statements in the ``call`` function of one of Inductor's generated modules: its own kernels
-    (whatever their names), library calls (``extern_kernels.*``) and the ATen operators it falls back to."""
-    kernels = set(KERNEL.findall(source))
+CPP_KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(.*?r\'\'\'(.*?)\'\'\'\)", re.M | re.S)
+LOOP_NEST = re.compile(r"^    \{$", re.M)  # a loop nest of a C++ kernel: a block at the function body's own level
+
+
+def loop_nests(code: str) -> int:
+    """The loop nests of one of Inductor's C++ kernels: a block at the function body's own level each."""
+    return max(1, len(LOOP_NEST.findall(code)))
+
+
+def wrapper_launches(source: str) -> np.ndarray:
+    """The launches of the ``call`` function of one of Inductor's generated modules — its own kernels (whatever their
+    names), library calls (``extern_kernels.*``) and the ATen operators it falls back to — counted two ways:
+    [a C++ kernel as its loop nests, as one]. On the CPU Inductor writes the nodes it cannot fuse, one after the
+    other until a library call, as one C++ function with a loop nest each; on a GPU each would be a Triton kernel of
+    its own (its horizontal "combo" kernels are off by default), so the functions undercount a GPU's kernels. The
+    nests overcount them a little: a reduction and its consumer (a LayerNorm's statistics and its normalisation) are
+    two nests on the CPU where Triton fuses them into one kernel."""
+    kernels = {name: 1 for name in KERNEL.findall(source)}
+    kernels.update({name: loop_nests(code) for name, code in CPP_KERNEL.findall(source)})
     body = source[source.index("def call("):]
     body = body[:body.index("\n\n\n")] if "\n\n\n" in body else body
 
-    def launches(name: str) -> bool:
+    def launches(name: str) -> list[int]:
         aten = name.replace("torch.ops.", "")
-        return (name.split(".")[0] in kernels or name.startswith("extern_kernels.")
-                or (aten.startswith("aten.") and not aten.startswith(NO_LAUNCH)))
+        if name.split(".")[0] in kernels:
+            return [kernels[name.split(".")[0]], 1]
+        library = name.startswith("extern_kernels.")
+        launch = int(library or (aten.startswith("aten.") and not aten.startswith(NO_LAUNCH)))
+        return [launch, launch]
 
-    return sum(1 for name in CALL.findall(body) if launches(name))
+    return np.array([launches(name) for name in CALL.findall(body)] or [[0, 0]]).sum(0)
 
 
 @contextlib.contextmanager
@@ -111,12 +132,14 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             optimizer = module.build_optimizer()
             train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
             with recorded_calls(SubspaceIteration, "step") as calls, \
-                    recorded_calls(MuonConstrained, "_constrain") as constrained:
+                    recorded_calls(MuonConstrained, "_constrain") as constrained, recorded_compositions() as composed:
                 step = count(lambda m=module, o=optimizer: train_step(m, o, images, labels, precision, 2))
             result["step"] = step.launches
             power = power_step_launches(calls)
             constraint = constraint_launches(constrained)
-            result["power eager"], result["power compiled"] = power[0] + constraint[0], power[1] + constraint[1]
+            composition = composition_launches(composed)
+            result["power eager"] = power[0] + constraint[0] + composition[0]
+            result["power compiled"] = power[1] + constraint[1] + composition[1]
             module.zero_grad(set_to_none=True)  # as a step starts: no gradients to accumulate into
             network = count(lambda m=module: network_pass(m, images, precision)).launches
             with torch.no_grad():
@@ -129,14 +152,15 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
     return result
 
 
-def generated_launches(run: Callable[[], object], fresh: bool = True) -> int:
-    """The launching statements of the code Inductor generates while ``run()`` runs (``fresh``: Dynamo's caches
-    reset first, so that what ``run`` compiles is compiled, and counted, anew)."""
+def generated_launches(run: Callable[[], object], fresh: bool = True) -> np.ndarray:
+    """The launches of the code Inductor generates while ``run()`` runs, [loop nests, C++ functions]
+    (:func:`wrapper_launches`; ``fresh``: Dynamo's caches reset first, so that what ``run`` compiles is compiled,
+    and counted, anew)."""
     if fresh:
         torch._dynamo.reset()
     with generated_modules() as sources:
         run()
-    return sum(wrapper_launches(source) for source in sources)
+    return sum((wrapper_launches(source) for source in sources), np.zeros(2, dtype=int))
 
 
 @contextlib.contextmanager
@@ -152,6 +176,47 @@ def recorded_calls(owner: type, method: str) -> Iterator[list[tuple]]:
 
     with mock.patch.object(owner, method, recording):
         yield calls
+
+
+@contextlib.contextmanager
+def recorded_compositions() -> Iterator[list[tuple]]:
+    """The calls of the certified losses' bound composition (:func:`~stability.lipschitz.training_bound.composed_bound`,
+    which an eager bound calls) made inside the block, each (the network, the σ estimates)."""
+    calls: list[tuple] = []
+    original = training_bound.composed_bound
+
+    def recording(network, sigmas):
+        calls.append((network, sigmas))
+        return original(network, sigmas)
+
+    with mock.patch.object(training_bound, "composed_bound", recording):
+        yield calls
+
+
+def composition_launches(calls: list[tuple]) -> tuple[int, int]:
+    """The eager launches of the recorded bound compositions, forward and backward (into the σ estimates, taken as
+    leaves), and those of the graph ``--model.compile`` runs them as (:meth:`TrainingBound.composition`)."""
+    eager = compiled = 0
+    graph = torch.compile(training_bound.composed_bound, fullgraph=True, dynamic=False)
+    for network, sigmas in calls:
+        device = network.mean.device.type
+
+        def forward(compose, network=network, sigmas=sigmas, device=device) -> list[torch.Tensor]:
+            leaves = {name: sigma.detach().requires_grad_(True) for name, sigma in sigmas.items()}
+            with float32_math(device):
+                return list(compose(network, leaves))
+
+        outputs: list[torch.Tensor] = []
+        eager += count(lambda o=outputs, f=forward: o.extend(f(training_bound.composed_bound))).launches
+        seeds = [torch.ones_like(out) for out in outputs]
+        eager += count(lambda o=outputs, g=seeds: torch.autograd.backward(o, g)).launches
+
+        def run(forward=forward) -> None:
+            outs = forward(graph)
+            torch.autograd.backward(outs, [torch.ones_like(out) for out in outs])
+
+        compiled += generated_launches(run)
+    return eager, compiled
 
 
 def power_step_launches(calls: list[tuple]) -> tuple[int, int]:
@@ -220,6 +285,12 @@ def logits_step(module, images: torch.Tensor, labels: torch.Tensor, precision: s
     return ForwardStep(module.network, images, logits, labels, queries_keys=queries_keys)
 
 
+def both(counts: np.ndarray, form: str = "{:.0f}") -> str:
+    """[loop nests, C++ functions] as a table cell: ``nests (functions)`` (a plain number: eager, both alike)."""
+    counts = np.broadcast_to(counts, 2)
+    return f"{form.format(counts[0])} ({form.format(counts[1])})"
+
+
 def network_pass(module, images: torch.Tensor, precision: str, compiled: bool = False) -> None:
     """The network's forward and backward alone (``compiled``: through the graph a compiled step trains)."""
     network = module._training_network(images) if compiled else module.network
@@ -260,31 +331,31 @@ def main() -> None:
                    + extrapolated("power compiled"))
         compiled = compiled_steps[case.label] = region + outside
         reference = compiled_steps.get(case.reference)
-        ratio = "—" if reference is None else f"{compiled / reference:.2f}×" + (
+        ratio = "—" if reference is None else both(compiled / reference, "{:.2f}×") + (
             f" ({case.reference})" if case.reference != "none" else "")
-        rows.append([case.label, f"{eager:.0f}", f"{network:.0f}", f"{region:.0f}", f"{outside:.0f}",
-                     f"{compiled:.0f}", ratio])
+        rows.append([case.label, f"{eager:.0f}", f"{network:.0f}", both(region), both(outside), both(compiled),
+                     ratio])
     body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at 1 and 2 blocks on {args.tokens} tokens "
             "and extrapolated (module docstring). `eager step`: the eager step's launches on the GPU's code path; "
-            "`network, eager` and `network, compiled`: its forward and backward, eager and as the launching "
-            "statements of Inductor's generated code (kernels and library calls), with the terms that compile whole "
-            "(Specformer's penalty, JaSMin's statistics); `eager outside`: the step's other "
-            "launches (the other stabilizers' terms, the optimizer, the projections), where the block power "
-            "iteration and Muon's constraints, which --model.compile compiles into graphs of their own, count as "
-            "those graphs' launches (the certified losses' bound composition, which it also compiles, is counted "
-            "here eager); `compiled step`: the compiled "
-            "network and terms and what stays eager, and its ratio to its reference compiled (step_cost.py's: the "
-            "baseline, "
-            "plain Muon for its constraints, the certified losses' base for them), the compiled column's ratio where "
-            "launches set the time. The certified losses' rows are upper bounds: their bound's composition, counted "
-            "eager here (≈ 2,700 of their launches), is compiled too, into ≈ 13 kernels a block.\n\n"
+            "`network, eager` and `network, compiled`: its forward and backward, eager and as the launches of "
+            "Inductor's generated code (kernels and library calls), with the terms that compile whole (Specformer's "
+            "penalty, JaSMin's statistics); `eager outside`: the step's other launches (the other stabilizers' "
+            "terms, the optimizer, the projections), where the block power iteration, Muon's constraints and the "
+            "certified losses' bound composition (forward and backward), which --model.compile compiles into graphs "
+            "of their own, count as those graphs' launches; `compiled step`: the compiled network and terms and what "
+            "stays eager, and its ratio to its reference compiled (step_cost.py's: the baseline, plain Muon for its "
+            "constraints, the certified losses' base for them), the compiled column's ratio where launches set the "
+            "time. Each compiled count is `nests (functions)`: Inductor's C++ kernels counted as their loop nests, "
+            "one GPU kernel each (a little above a GPU's count: Triton fuses a reduction with its consumer, two "
+            "nests here), and as the C++ functions the CPU launches (well below it: the CPU writes nodes it cannot "
+            "fuse into one function).\n\n"
             + markdown(["row", "eager step", "network, eager", "network, compiled", "eager outside",
                         "compiled step", "× its reference, compiled"], rows))
     matrices, eager, compiled = power_iteration_launches(args.size, args.tokens)
     body += (f"\n\nThe block power iteration alone (spectral_norm's projection over the {matrices} Linear weights of "
              f"ViT-{args.size}; Muon's constraints and the certified losses' bound take the same step), which "
-             f"`--model.compile` compiles into one graph of its own: {eager:.0f} launches eager, {compiled} compiled. "
-             "The rows above count it compiled, inside `eager outside`.")
+             f"`--model.compile` compiles into one graph of its own: {eager:.0f} launches eager, {both(compiled)} "
+             "compiled. The rows above count it compiled, inside `eager outside`.")
     write("compiled_kernels", args, device, "The compiled step's launches, counted on the CPU", body)
 
 

@@ -1,4 +1,5 @@
 """Every benchmark script runs in its quick configuration and writes its table (so they cannot rot)."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,22 +110,29 @@ def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
     penalty, which compiles whole, moves from the eager launches into a few generated kernels."""
     text = run_benchmark("compiled_kernels.py", tmp_path / "compiled.md", "--cases", "none;qk_norm;specformer")
     rows = {row[0]: row for row in table_rows(text)}
-    assert set(rows) == {"none", "qk_norm", "specformer"} and rows["none"][6] == "1.00×"
-    for row in rows.values():
-        step, network, compiled, outside, compiled_step = map(float, row[1:6])
-        assert 0 < compiled < network and compiled_step == compiled + outside
+    assert set(rows) == {"none", "qk_norm", "specformer"} and rows["none"][6] == "1.00× (1.00×)"
+    for row in rows.values():  # each compiled count "nests (functions)"
+        step, network = map(float, row[1:3])
+        (compiled, functions), (outside, outside_functions), (compiled_step, step_functions) = (
+            map(float, re.fullmatch(r"(\d+) \((\d+)\)", cell).groups()) for cell in row[3:6])
+        assert 0 < functions < min(compiled, network) and compiled_step == compiled + outside
+        assert outside == outside_functions and step_functions == functions + outside  # all eager
     for label in ("none", "qk_norm"):  # nothing of theirs compiles outside the network
-        step, network, _, outside, _ = map(float, rows[label][1:6])
-        assert outside == step - network > 0
-    assert float(rows["qk_norm"][3]) > float(rows["none"][3])  # its norms are kernels of their own
-    specformer, none = (list(map(float, rows[label][1:6])) for label in ("specformer", "none"))
+        step, network, outside = float(rows[label][1]), float(rows[label][2]), rows[label][4]
+        assert outside == f"{step - network:.0f} ({step - network:.0f})" and step > network
+    compiled = {label: [float(n) for n in re.findall(r"\d+", rows[label][3])] for label in rows}
+    assert all(compiled["qk_norm"][i] > compiled["none"][i] for i in (0, 1))  # its norms are kernels of their own
+    specformer, none = (list(map(float, rows[label][1:3])) for label in ("specformer", "none"))
     assert specformer[0] - specformer[1] > 30 + none[0] - none[1]  # eager, the penalty launches dozens of ops
-    assert 0 < specformer[2] - none[2] < 10 and specformer[3] <= none[3]  # compiled: a few kernels, nothing eager
+    # compiled, a few C++ functions (its nests: a kernel per weight's reduction, as on a GPU), nothing left eager
+    assert 0 < compiled["specformer"][1] - compiled["none"][1] < 10 < compiled["specformer"][0] - compiled["none"][0]
+    assert float(rows["specformer"][4].split()[0]) <= float(rows["none"][4].split()[0])
 
 
 def test_compiled_kernels_reads_the_launches_of_generated_code(benchmark_modules):
-    """The module's own kernels (by the names it defines, a template's and a tuple target's included), library calls
-    and ATen fallbacks count; allocations, views, deletions and the returned tuple do not."""
+    """The module's own kernels (by the names it defines, a template's and a tuple target's included; a C++ kernel as
+    its loop nests, each a GPU kernel of its own), library calls and ATen fallbacks count; allocations, views,
+    deletions and the returned tuple do not."""
     from compiled_kernels import wrapper_launches
 
     source = """
@@ -145,10 +153,13 @@ def call(self, args):
 def benchmark_compiled_module(times=10, repeat=10):
     cpp_fused_gelu_0(None)
 """
-    kernels = ("cpp_fused_gelu_0 = async_compile.cpp_pybinding(['float*'], 'code')\n"
+    two_nests = ('extern "C" void kernel(float* out_ptr0)\n{\n    auto x = out_ptr0;\n    {\n        {\n'
+                 '            for(int64_t x0=0; x0<4; x0++) {}\n        }\n    }\n'
+                 '    {\n        for(int64_t x0=0; x0<8; x0++)\n        {\n        }\n    }\n}\n')
+    kernels = ("cpp_fused_gelu_0 = async_compile.cpp_pybinding(['float*'], r\'\'\'\n" + two_nests + "\'\'\')\n"
                "triton_poi_fused_add_1 = async_compile.triton('triton_', 'code')\n"
                "cpp_bmm_2 = async_compile.cpp_pybinding(['float*'], 'code')\n")
-    assert wrapper_launches(kernels + source) == 5
+    assert list(wrapper_launches(kernels + source)) == [6, 5]  # the two-nest kernel: one C++ function
 
 
 def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path):

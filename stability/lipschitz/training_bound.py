@@ -143,8 +143,9 @@ class TrainingBound:
     def compile(self) -> None:
         """Compose the estimates into the bound in one compiled graph (``--model.compile``). The composition is a
         recursion over the blocks of a few dozen operators on scalars and per-head vectors each, and twice that in
-        its backward (≈ 160 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
-        ≈ 13 kernels a block (counted on the CPU: 32 at depth 2, 83 at depth 6). The power iteration before it is
+        its backward (≈ 164 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
+        ≈ 85 kernels a block (its loop nests on the CPU, each a GPU kernel; benchmarks/compiled_kernels.py). The
+        power iteration before it is
         compiled too, as one graph of its own (:meth:`SubspaceIteration.compile`), called inside the IEEE-float32
         context, which sets torch's matmul precision (something a graph cannot do)."""
         self.compiled = True
