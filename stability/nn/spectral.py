@@ -142,8 +142,21 @@ class SubspaceIteration:
                 self._compiled_step = torch.compile(subspace_step, fullgraph=True, dynamic=False)
             run = self._compiled_step
         with float32_math(matrices[0].device.type):
-            results = run(matrices, [self.basis(i) for i in range(len(matrices))], groups, max(1, iterations))
-        return [TopSingular(indices, *result) for indices, result in zip(groups, results)]
+            results = run(*self.stacked(matrices, groups), max(1, iterations))
+            self.write_back(groups, results)
+        return [TopSingular(indices, *result[:4]) for indices, result in zip(groups, results)]
+
+    def stacked(self, matrices: list[torch.Tensor], groups: list[list[int]]) -> tuple[list[torch.Tensor], ...]:
+        """Each group's matrices and bases stacked, (G, m, n) and (G, n, b): outside the compiled graph, one launch
+        a stack on a GPU, where the graph would copy each member on its own (Inductor's concatenation of more than
+        8 inputs is a copy kernel an input)."""
+        return ([torch.stack([matrices[i] for i in indices]) for indices in groups],
+                [torch.stack([self.basis(i) for i in indices]) for indices in groups])
+
+    def write_back(self, groups: list[list[int]], results: list[tuple[torch.Tensor, ...]]) -> None:
+        """The new bases into their buffers, one multi-tensor copy a group (outside the graph, as :meth:`stacked`)."""
+        for indices, result in zip(groups, results):
+            torch._foreach_copy_([self.basis(i) for i in indices], list(result[4].unbind(0)))
 
 
 def shape_groups(tensors: list[torch.Tensor], tags: list | None = None) -> list[list[int]]:
@@ -156,29 +169,27 @@ def shape_groups(tensors: list[torch.Tensor], tags: list | None = None) -> list[
     return list(groups.values())
 
 
-def subspace_step(matrices: list[torch.Tensor], bases: list[torch.Tensor], groups: list[list[int]],
+def subspace_step(stacks: list[torch.Tensor], bases: list[torch.Tensor],
                   iterations: int) -> list[tuple[torch.Tensor, ...]]:
-    """:meth:`SubspaceIteration.step`'s work on plain tensors (inside :func:`~.precision.float32_math`): for each group
-    of same-shape matrices, ``iterations`` orthonormalised products into their bases (written back in place), then
-    the top Ritz pair; (W as a float32-at-least stack, σ, u, v) per group."""
+    """:meth:`SubspaceIteration.step`'s work on plain tensors (inside :func:`~.precision.float32_math`): for each
+    stack of same-shape matrices (G, m, n) and their bases (G, n, b), ``iterations`` orthonormalised products, then
+    the top Ritz pair; (W as a float32-at-least stack, σ, u, v, the new bases in the old bases' dtype) per stack."""
     pending = []
-    for indices in groups:
-        stacked = torch.stack([matrices[i] for i in indices])
+    for stacked, old in zip(stacks, bases):
         w = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # (G, m, n), float32 at least
-        basis = torch.stack([bases[i] for i in indices]).to(w.dtype)  # (G, n, b)
+        basis = old.to(w.dtype)  # (G, n, b)
         for _ in range(iterations):
             basis = _orthonormal(w.mT @ (w @ basis), basis)
-        torch._foreach_copy_([bases[i] for i in indices], list(basis.unbind(0)))
         images = w @ basis  # (G, m, b)
-        pending.append((w, basis, images))
-    tops = _top_eigenvectors([images.mT @ images for _, _, images in pending])  # each (G, b)
+        pending.append((w, basis, images, old.dtype))
+    tops = _top_eigenvectors([images.mT @ images for _, _, images, _ in pending])  # each (G, b)
     results = []
-    for (w, basis, images), x in zip(pending, tops):
+    for (w, basis, images, dtype), x in zip(pending, tops):
         v, wv = (basis @ x.unsqueeze(-1)).squeeze(-1), (images @ x.unsqueeze(-1)).squeeze(-1)
         v_norm = v.norm(dim=-1).clamp_min(torch.finfo(w.dtype).tiny)
         sigma = wv.norm(dim=-1) / v_norm
         u = wv / (sigma * v_norm).clamp_min(torch.finfo(w.dtype).tiny).unsqueeze(-1)
-        results.append((w, sigma, u, v / v_norm.unsqueeze(-1)))
+        results.append((w, sigma, u, v / v_norm.unsqueeze(-1), basis.to(dtype)))
     return results
 
 
