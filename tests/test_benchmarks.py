@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -160,6 +161,24 @@ def benchmark_compiled_module(times=10, repeat=10):
                "triton_poi_fused_add_1 = async_compile.triton('triton_', 'code')\n"
                "cpp_bmm_2 = async_compile.cpp_pybinding(['float*'], 'code')\n")
     assert list(wrapper_launches(kernels + source)) == [6, 5]  # the two-nest kernel: one C++ function
+
+
+def test_a_compiled_power_iterations_kernels_do_not_grow_with_the_matrices_of_a_shape(benchmark_modules):
+    """The block power iteration compiled: its matrices and bases are stacked, and the bases written back, outside
+    the graph, so the generated code is the same for 12 matrices of a shape as for 4 (inside it, a stack of more
+    than 8 inputs is a copy kernel an input on a GPU, and on the CPU a loop nest an input at any count)."""
+    from compiled_kernels import generated_launches
+
+    from stability.nn.spectral import SubspaceIteration
+
+    def kernels(count: int) -> list[int]:
+        homes = [torch.nn.Module() for _ in range(count)]
+        power = SubspaceIteration([(m, "p") for m in homes], [(16, 12)] * count, block=4)
+        power.compile()
+        matrices = [torch.randn(16, 12, generator=torch.Generator().manual_seed(i)) for i in range(count)]
+        return list(generated_launches(lambda: power.step(matrices, 1)))
+
+    assert kernels(12) == kernels(4)
 
 
 def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path):
