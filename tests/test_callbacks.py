@@ -211,6 +211,13 @@ def test_a_fit_skips_the_validations_that_would_pass_the_measurements_share(tmp_
           "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
     assert [p.name for p in run.parent.iterdir()] == ["version_0"] and len(scalars(run, "val/acc")) == 5
     assert len(scalars(run, "lipschitz/local_max")) == 1 and len(scalars(run, "robust/fgsm_Linf_8/255")) == 1
+    # resumed again without the bound (max_share 0: every due validation), the saved schedule no longer applies
+    main(["fit", *tiny_vit_args, "--trainer.max_epochs", "6", "--trainer.limit_train_batches", "2",
+          "--lipschitz.num_points", "8", "--lipschitz.attention", "false", "--lipschitz.max_share", "0",
+          "--robustness.every_n_epochs", "1", "--robustness.num_points", "8", "--robustness.attacks", "[fgsm]",
+          "--robustness.max_share", "0", "--robustness.test_attacks", "[]",
+          "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
+    assert len(scalars(run, "lipschitz/local_max")) == 2 and len(scalars(run, "robust/fgsm_Linf_8/255")) == 2
 
 
 def test_monitor_options_are_checked():

@@ -64,8 +64,8 @@ def test_the_projections_power_iteration_trains_compiled_to_the_eager_weights(co
 
 @pytest.mark.gpu
 def test_inductor_compiles_the_subspace_step_on_the_gpu_to_the_eager_one():
-    """The default backend's kernels on CUDA (Cholesky and the triangular solve inside the graph, the bases written
-    back in place), IEEE float32: three steps give the eager bases, σ, u and v to float32 rounding."""
+    """The default backend's kernels on CUDA (Cholesky and the triangular solve inside the graph, the new bases
+    written back after it), IEEE float32: three steps give the eager bases, σ, u and v to float32 rounding."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(48, 64), (48, 64), (64, 32)]
     homes = [torch.nn.Module() for _ in shapes]

@@ -183,10 +183,14 @@ class EpochShare:
         self.started, self.training = self.clock(), None
 
     def state_dict(self) -> dict:
-        return {"next_epoch": self.next_epoch, "warned": self.warned}
+        return {"next_epoch": self.next_epoch, "warned": self.warned, "limit": self.limit}
 
     def load_state_dict(self, state: dict) -> None:
-        self.next_epoch, self.warned = int(state["next_epoch"]), bool(state["warned"])
+        """The saved schedule, where it was made under this bound (a resumed run given another ``max_share``, or 0,
+        measures its next due validation and plans from there)."""
+        self.warned = bool(state["warned"])
+        if self.limit and state.get("limit") == self.limit:
+            self.next_epoch = int(state["next_epoch"])
 
     def validation_started(self) -> None:
         if self.started is not None:

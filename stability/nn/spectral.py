@@ -133,7 +133,8 @@ class SubspaceIteration:
         """``iterations`` subspace steps on ``matrices`` (their current values, in the order given at
         construction), then the top Ritz pair; one :class:`TopSingular` per shape. The Ritz step's small
         eigenproblems (b × b, the same b for every matrix at least ``block`` wide) are solved for all shapes at once:
-        a model's dozen shapes take one set of launches, not a dozen. Compiled (:meth:`compile`), one graph."""
+        a model's dozen shapes take one set of launches, not a dozen. Compiled (:meth:`compile`), one graph, between
+        the eager stacks (:meth:`stacked`) and the bases' write-back (:meth:`write_back`)."""
         matrices = [w.detach() for w in matrices]
         groups = shape_groups(matrices)
         run = subspace_step
@@ -148,8 +149,8 @@ class SubspaceIteration:
 
     def stacked(self, matrices: list[torch.Tensor], groups: list[list[int]]) -> tuple[list[torch.Tensor], ...]:
         """Each group's matrices and bases stacked, (G, m, n) and (G, n, b): outside the compiled graph, one launch
-        a stack on a GPU, where the graph would copy each member on its own (Inductor's concatenation of more than
-        8 inputs is a copy kernel an input)."""
+        a stack on a GPU (up to 128 inputs), where the graph would copy each member on its own (Inductor's
+        concatenation of more than 8 inputs is a copy kernel an input)."""
         return ([torch.stack([matrices[i] for i in indices]) for indices in groups],
                 [torch.stack([self.basis(i) for i in indices]) for indices in groups])
 
