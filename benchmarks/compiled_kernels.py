@@ -15,11 +15,11 @@ compiled step launches
     − the eager launches of the terms that compile − the eager launches of the power iterations, Muon's
     constraints and the certified losses' bound composition + the launches of their compiled graphs)
 
-counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at 1 and 2
-blocks and extrapolated to the preset's depth (each count is affine in depth; the kernels do not depend on the
-batch: its dimension is dynamic). Where a GPU is host-bound, as small models are, launches set the time: the ratio
-to the compiled baseline is then the compiled column's ratio. Where the GPU is busy it is not: bytes and FLOPs
-change little by compiling.
+counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at 2 and 3
+blocks (:data:`DEPTHS`) and extrapolated to the preset's depth (each count is affine in depth from two blocks on; the
+kernels do not depend on the batch: its dimension is dynamic). Where a GPU is host-bound, as small models are,
+launches set the time: the ratio to the compiled baseline is then the compiled column's ratio. Where the GPU is busy
+it is not: bytes and FLOPs change little by compiling.
 """
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ from stability.stabilizers.base import ForwardStep
 from stability.stabilizers.muon import MuonConstrained
 from stability.testing.gpu_model import count, cuda_path
 
-DEPTHS = (1, 2)
+# two blocks at least: with one, every shape group holds one matrix, and Inductor's code for a stack of one differs
+# (the compiled power iteration: 48 loop nests for one matrix of a shape, 35 for any number from two)
+DEPTHS = (2, 3)
 BATCH = 4
 # a statement of Inductor's generated wrapper that calls something: `f(…)`, `buf = f(…)`, `(buf1, ) = f(…)`
 CALL = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?([\w.]+)\(", re.M)
@@ -97,7 +99,8 @@ def generated_modules() -> Iterator[list[str]]:
         sources.append(Path(module.__file__).read_text())
         return module
 
-    with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
+    # one thread: with more, Inductor wraps consecutive loop nests in one parallel region, which counts as one nest
+    with inductor_config.patch({"fx_graph_cache": False, "autotune_local_cache": False, "cpp.threads": 1}), \
             mock.patch.object(GraphLowering, "compile_to_module", recording):
         yield sources
 
@@ -180,42 +183,50 @@ def recorded_calls(owner: type, method: str) -> Iterator[list[tuple]]:
 
 @contextlib.contextmanager
 def recorded_compositions() -> Iterator[list[tuple]]:
-    """The calls of the certified losses' bound composition (:func:`~stability.lipschitz.training_bound.composed_bound`,
-    which an eager bound calls) made inside the block, each (the network, the σ estimates)."""
+    """The calls of the certified losses' bound composition (what :meth:`TrainingBound.composition` returns) made
+    inside the block, each (the network, the σ estimates, whether the bound carries a gradient)."""
     calls: list[tuple] = []
-    original = training_bound.composed_bound
+    original = training_bound.TrainingBound.composition
 
-    def recording(network, sigmas):
-        calls.append((network, sigmas))
-        return original(network, sigmas)
+    def recording(self):
+        compose = original(self)
 
-    with mock.patch.object(training_bound, "composed_bound", recording):
+        def recorded(network, sigmas):
+            calls.append((network, sigmas, self.differentiable))
+            return compose(network, sigmas)
+
+        return recorded
+
+    with mock.patch.object(training_bound.TrainingBound, "composition", recording):
         yield calls
 
 
 def composition_launches(calls: list[tuple]) -> tuple[int, int]:
-    """The eager launches of the recorded bound compositions, forward and backward (into the σ estimates, taken as
-    leaves), and those of the graph ``--model.compile`` runs them as (:meth:`TrainingBound.composition`)."""
+    """The eager launches of the recorded bound compositions, forward and backward where the bound carries a gradient
+    (into the σ estimates, taken as leaves, and the network's parameters; none with ``bound_gradient: false``), and
+    those of the graph ``--model.compile`` runs them as (:meth:`TrainingBound.composition`)."""
     eager = compiled = 0
     graph = torch.compile(training_bound.composed_bound, fullgraph=True, dynamic=False)
-    for network, sigmas in calls:
+    for network, sigmas, differentiable in calls:
         device = network.mean.device.type
 
-        def forward(compose, network=network, sigmas=sigmas, device=device) -> list[torch.Tensor]:
-            leaves = {name: sigma.detach().requires_grad_(True) for name, sigma in sigmas.items()}
+        def forward(compose, network=network, sigmas=sigmas, device=device,
+                    differentiable=differentiable) -> list[torch.Tensor]:
+            leaves = {name: sigma.detach().requires_grad_(differentiable) for name, sigma in sigmas.items()}
             with float32_math(device):
-                return list(compose(network, leaves))
+                outputs = list(compose(network, leaves))
+            return outputs if differentiable else []
+
+        def backward(outputs: list[torch.Tensor]) -> None:
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(out) for out in outputs])
 
         outputs: list[torch.Tensor] = []
         eager += count(lambda o=outputs, f=forward: o.extend(f(training_bound.composed_bound))).launches
         seeds = [torch.ones_like(out) for out in outputs]
-        eager += count(lambda o=outputs, g=seeds: torch.autograd.backward(o, g)).launches
-
-        def run(forward=forward) -> None:
-            outs = forward(graph)
-            torch.autograd.backward(outs, [torch.ones_like(out) for out in outs])
-
-        compiled += generated_launches(run)
+        if outputs:
+            eager += count(lambda o=outputs, g=seeds: torch.autograd.backward(o, g)).launches
+        compiled += generated_launches(lambda f=forward: backward(f(graph)))
     return eager, compiled
 
 
@@ -343,7 +354,8 @@ def main() -> None:
             f" ({case.reference})" if case.reference != "none" else "")
         rows.append([case.label, f"{eager:.0f}", f"{network:.0f}", both(region), both(outside), both(compiled),
                      ratio])
-    body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at 1 and 2 blocks on {args.tokens} tokens "
+    body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at {DEPTHS[0]} and {DEPTHS[1]} blocks on "
+            f"{args.tokens} tokens "
             "and extrapolated (module docstring). `eager step`: the eager step's launches on the GPU's code path; "
             "`network, eager` and `network, compiled`: its forward and backward, eager and as the launches of "
             "Inductor's generated code (kernels and library calls), with the terms that compile whole (Specformer's "
