@@ -82,32 +82,37 @@ class TrainingBound:
         """σ̂ = uᵀWv of every matrix of the bound after the step's power iteration, float32, differentiable in W.
 
         The heads' matrices are rows of a block's W_Q, W_K, W_V and columns of its W_O: their σ̂ come from those
-        weights viewed as (3, H, d, D) and (D, H, d), one product per block and kind (``"<i>.q[heads]"``… and
-        ``"<i>.o[heads]"``, vectors over the heads), instead of a slice of the weight per head, whose backward
-        would write a zero-filled copy of the whole weight for every head."""
+        weights viewed as (3, H, d, D) and (D, H, d), every block of one geometry at once (one product per kind for
+        all of them: ``"<i>.q[heads]"``… and ``"<i>.o[heads]"``, vectors over the heads), instead of a slice of the
+        weight per head, whose backward would write a zero-filled copy of the whole weight for every head, or a
+        product per block."""
         matrices = bound_matrices(network)
         weights = [matrices[name] for name in self._names]
         sigmas: dict[str, torch.Tensor] = {}
         if is_stem(network.backbone.patch_embed):  # the hybrid's AOL stem: 1 per layer by construction
             sigmas["stem"] = at_least_float32(network.mean.new_ones(()))  # float64 for a float64 network
         groups = self._power.step(weights, self.iterations)
-        vectors = {self._names[i]: (group.u[j], group.v[j]) for group in groups for j, i in enumerate(group.indices)}
+        where = {self._names[i]: (g, j) for g, group in enumerate(groups) for j, i in enumerate(group.indices)}
         in_blocks = set()
         attentions, dtype = _attentions(network), groups[0].u.dtype
+        kinds: dict[tuple, list[int]] = {}  # head blocks by geometry (H, d, D)
         for i in self._head_blocks:
             attn = attentions[i]
-            heads, width = attn.num_heads, attn.head_dim
-            qkv = [f"{i}.{part}{h}" for part in "qkv" for h in range(heads)]
-            u = torch.stack([vectors[name][0] for name in qkv]).view(3, heads, width)
-            v = torch.stack([vectors[name][1] for name in qkv]).view(3, heads, -1)
-            rows = _qkv_rows(attn).view(3, heads, width, -1).to(dtype)  # (3, H, d, D)
-            values = torch.einsum("phm,phmn,phn->ph", u, rows, v)
-            sigmas.update({f"{i}.{part}[heads]": values[p] for p, part in enumerate("qkv")})
-            outputs = [f"{i}.o{h}" for h in range(heads)]
-            u_o = torch.stack([vectors[name][0] for name in outputs])  # (H, D)
-            v_o = torch.stack([vectors[name][1] for name in outputs])  # (H, d)
-            w_o = attn.proj.weight.view(-1, heads, width).to(dtype)  # (D, H, d): column block h is head h's W_O^h
-            sigmas[f"{i}.o[heads]"] = torch.einsum("hm,mhn,hn->h", u_o, w_o, v_o)
+            kinds.setdefault((attn.num_heads, attn.head_dim, attn.proj.weight.shape[0]), []).append(i)
+        for (heads, width, _), blocks in kinds.items():
+            qkv = [f"{i}.{part}{h}" for i in blocks for part in "qkv" for h in range(heads)]
+            u, v = _vectors(groups, where, qkv)
+            rows = torch.stack([_qkv_rows(attentions[i]) for i in blocks]).view(len(blocks), 3, heads, width, -1)
+            values = torch.einsum("bphm,bphmn,bphn->bph", u.view(len(blocks), 3, heads, width), rows.to(dtype),
+                                  v.view(len(blocks), 3, heads, -1))
+            outputs = [f"{i}.o{h}" for i in blocks for h in range(heads)]
+            u_o, v_o = _vectors(groups, where, outputs)  # (B·H, D), (B·H, d)
+            w_o = torch.stack([attentions[i].proj.weight for i in blocks]).view(len(blocks), -1, heads, width)
+            values_o = torch.einsum("bhm,bmhn,bhn->bh", u_o.view(len(blocks), heads, -1), w_o.to(dtype),
+                                    v_o.view(len(blocks), heads, width))  # column block h of W_O is head h's W_O^h
+            for b, i in enumerate(blocks):
+                sigmas.update({f"{i}.{part}[heads]": values[b, p] for p, part in enumerate("qkv")})
+                sigmas[f"{i}.o[heads]"] = values_o[b]
             in_blocks.update(qkv + outputs)
         for group in groups:
             rest = [j for j, i in enumerate(group.indices) if self._names[i] not in in_blocks]
@@ -173,6 +178,17 @@ def composed_bound(network: nn.Module, sigmas: dict[str, torch.Tensor]) -> tuple
     """The Lipschitz transformer's pixel bound from σ̂ estimates, differentiable (:func:`.transformer_bounds.pixel_bound`
     with ``sigmas``): what :meth:`TrainingBound.compile` compiles."""
     return pixel_bound(network, differentiable=True, sigmas=sigmas)
+
+
+def _vectors(groups: list, where: dict[str, tuple[int, int]], names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The power iteration's (u, v) of ``names``, stacked in that order: a slice of their group's vectors (no copy)
+    where they lie in one group in that order, as :func:`bound_matrices` lists them, else gathered one by one."""
+    places = [where[name] for name in names]
+    first, start = places[0]
+    if places == [(first, start + k) for k in range(len(names))]:
+        group = groups[first]
+        return group.u[start:start + len(names)], group.v[start:start + len(names)]
+    return (torch.stack([groups[g].u[j] for g, j in places]), torch.stack([groups[g].v[j] for g, j in places]))
 
 
 def _attentions(network: nn.Module) -> list[nn.Module]:
