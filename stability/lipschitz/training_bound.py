@@ -102,7 +102,8 @@ class TrainingBound:
         for (heads, width, _), blocks in kinds.items():
             qkv = [f"{i}.{part}{h}" for i in blocks for part in "qkv" for h in range(heads)]
             u, v = _vectors(groups, where, qkv)
-            rows = torch.stack([_qkv_rows(attentions[i]) for i in blocks]).view(len(blocks), 3, heads, width, -1)
+            rows = torch.stack([part for i in blocks for part in _qkv_parts(attentions[i])])  # one stack, (3B, H·d, D)
+            rows = rows.view(len(blocks), 3, heads, width, -1)
             values = torch.einsum("bphm,bphmn,bphn->bph", u.view(len(blocks), 3, heads, width), rows.to(dtype),
                                   v.view(len(blocks), 3, heads, -1))
             outputs = [f"{i}.o{h}" for i in blocks for h in range(heads)]
@@ -110,9 +111,10 @@ class TrainingBound:
             w_o = torch.stack([attentions[i].proj.weight for i in blocks]).view(len(blocks), -1, heads, width)
             values_o = torch.einsum("bhm,bmhn,bhn->bh", u_o.view(len(blocks), heads, -1), w_o.to(dtype),
                                     v_o.view(len(blocks), heads, width))  # column block h of W_O is head h's W_O^h
-            for b, i in enumerate(blocks):
-                sigmas.update({f"{i}.{part}[heads]": values[b, p] for p, part in enumerate("qkv")})
-                sigmas[f"{i}.o[heads]"] = values_o[b]
+            # unbound, not indexed: the backward then stacks the pieces' gradients once, where an index each would
+            # write a zero-filled copy of the whole (B, 3, H) result
+            sigmas.update(zip([f"{i}.{part}[heads]" for i in blocks for part in "qkv"], values.flatten(0, 1).unbind(0)))
+            sigmas.update(zip([f"{i}.o[heads]" for i in blocks], values_o.unbind(0)))
             in_blocks.update(qkv + outputs)
         for group in groups:
             rest = [j for j, i in enumerate(group.indices) if self._names[i] not in in_blocks]
@@ -149,7 +151,7 @@ class TrainingBound:
         """Compose the estimates into the bound in one compiled graph (``--model.compile``). The composition is a
         recursion over the blocks of a few dozen operators on scalars and per-head vectors each, and twice that in
         its backward (≈ 164 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
-        ≈ 85 kernels a block (its loop nests on the CPU, each a GPU kernel; benchmarks/compiled_kernels.py). The
+        ≈ 7 kernels a block (its loop nests on the CPU, each a GPU kernel; benchmarks/compiled_kernels.py). The
         power iteration before it is
         compiled too, as one graph of its own (:meth:`SubspaceIteration.compile`), called inside the IEEE-float32
         context, which sets torch's matmul precision (something a graph cannot do)."""
@@ -182,7 +184,9 @@ def composed_bound(network: nn.Module, sigmas: dict[str, torch.Tensor]) -> tuple
 
 def _vectors(groups: list, where: dict[str, tuple[int, int]], names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """The power iteration's (u, v) of ``names``, stacked in that order: a slice of their group's vectors (no copy)
-    where they lie in one group in that order, as :func:`bound_matrices` lists them, else gathered one by one."""
+    where they lie in one group in that order (the heads' W_O^h, listed block by block and head by head), else
+    stacked one by one (the heads' W_Q^h, W_K^h, W_V^h, which :func:`bound_matrices` lists head by head, not part by
+    part; one launch a stack on a GPU up to 128 vectors)."""
     places = [where[name] for name in names]
     first, start = places[0]
     if places == [(first, start + k) for k in range(len(names))]:
@@ -196,13 +200,18 @@ def _attentions(network: nn.Module) -> list[nn.Module]:
     return [wrapper.block.attn for wrapper in _parts(network)[2]]
 
 
-def _qkv_rows(attn: nn.Module) -> torch.Tensor:
-    """W_Q, W_K, W_V of an attention module as (3, H·d, D): a split projection's three weights stacked (the hybrid's
-    unit attention shares W_K = W_Q), or a fused one's weight viewed so."""
+def _qkv_parts(attn: nn.Module) -> list[torch.Tensor]:
+    """W_Q, W_K, W_V of an attention module, each (H·d, D): a split projection's three weights (the hybrid's unit
+    attention shares W_K = W_Q), or views of a fused one's weight."""
     qkv = attn.qkv
     if isinstance(qkv, SplitQKV):
-        return torch.stack([qkv.q.weight, qkv.k.weight, qkv.v.weight])
-    return qkv.weight.view(3, -1, qkv.weight.shape[-1])
+        return [qkv.q.weight, qkv.k.weight, qkv.v.weight]
+    return list(qkv.weight.view(3, -1, qkv.weight.shape[-1]).unbind(0))
+
+
+def _qkv_rows(attn: nn.Module) -> torch.Tensor:
+    """W_Q, W_K, W_V of an attention module as (3, H·d, D)."""
+    return torch.stack(_qkv_parts(attn))
 
 
 def _heads_in_place(attn: nn.Module, matrices: dict[str, torch.Tensor], i: int) -> bool:
