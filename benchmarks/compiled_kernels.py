@@ -55,7 +55,8 @@ KERNEL = re.compile(r"^(\w+) = async_compile\.", re.M)  # a kernel the module ge
 NO_LAUNCH = ("aten.view", "aten.reshape", "aten.as_strided", "aten.permute", "aten.expand")
 
 
-CPP_KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(.*?r\'\'\'(.*?)\'\'\'\)", re.M | re.S)
+# a C++ kernel and its code (a raw string since torch 2.11, a plain one before)
+CPP_KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(.*?r?\'\'\'(.*?)\'\'\'\)", re.M | re.S)
 LOOP_NEST = re.compile(r"^    \{$", re.M)  # a loop nest of a C++ kernel: a block at the function body's own level
 
 
