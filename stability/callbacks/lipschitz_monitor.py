@@ -42,7 +42,15 @@ from ..robustness.batch_memory import largest_batch, unit_bytes
 from ..robustness.fixed_batch import FixedBatch
 from ..testing.profiling import saved_for_backward
 from .bounds import exact_certificate
-from .measuring import SHARE_LIMIT, EpochShare, MeasurementInterrupted, Session, results_path, store_key
+from .measuring import (
+    SHARE_LIMIT,
+    EpochShare,
+    MeasurementInterrupted,
+    Session,
+    SharedMeasurements,
+    results_path,
+    store_key,
+)
 from .points import dataset_of, has_finite_weights, measure_batches, memory_sized, point_count
 from .precision import float32_network
 
@@ -67,7 +75,7 @@ COPIES = 12  # input-sized buffers a point keeps beside the graph: x, v, Jᵀu, 
 #             Adam's four moments, the pairs kept
 
 
-class LipschitzMonitor(L.Callback):
+class LipschitzMonitor(SharedMeasurements, L.Callback):
     """Args: every_n_epochs (0: off, also at test), num_points during fit, test_num_points at test
     (None: all), ``method`` of the local estimate (``auto``, ``exact`` or ``power``: module doc) and its power
     ``iterations``, ``exclude_patch_embed`` (log that variant too), ``lower_bound``,
@@ -118,27 +126,12 @@ class LipschitzMonitor(L.Callback):
         self._share = EpochShare("--lipschitz.num_points, --lipschitz.attention_points, --lipschitz.pair_points, "
                                  "--lipschitz.every_n_epochs", limit=max_share)
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._share.epoch_started()
-
-    def state_dict(self) -> dict:
-        return {"share": self._share.state_dict()}  # which validations the bound skips, for a resumed run
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if "share" in state_dict:  # absent from checkpoints written before the bound existed
-            self._share.load_state_dict(state_dict["share"])
-
-    def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            self._share.validation_started()
-
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not self._share.due(trainer.current_epoch, self.every_n_epochs):
+        if not self.measured_now(trainer):
             return
         started = time.perf_counter()
         self._measure(trainer, pl_module, trainer.val_dataloaders, self.num_points, "fit")
-        self._share.report("lipschitz (fit)", time.perf_counter() - started, trainer.current_epoch,
-                           self.every_n_epochs, lambda share: trainer.strategy.broadcast(share, src=0))
+        self.report_share(trainer, "lipschitz (fit)", time.perf_counter() - started)
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs:

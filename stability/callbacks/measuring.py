@@ -224,6 +224,38 @@ class EpochShare:
         return share
 
 
+class SharedMeasurements:
+    """A monitor's hooks around its :class:`EpochShare` ``_share``, for a Lightning callback that measures at
+    validation during fit every ``every_n_epochs``: the epoch's training timed, the measured validations chosen, the
+    share reported (rank 0's in DDP), the schedule kept in the checkpoint. Listed before ``L.Callback`` in the bases,
+    so that its hooks are the callback's."""
+
+    _share: EpochShare
+    every_n_epochs: int
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._share.epoch_started()
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._share.validation_started()
+
+    def state_dict(self) -> dict:
+        return {"share": self._share.state_dict()}  # which validations the bound skips, for a resumed run
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "share" in state_dict:  # absent from checkpoints written before the bound existed
+            self._share.load_state_dict(state_dict["share"])
+
+    def measured_now(self, trainer) -> bool:
+        """Whether this validation (during fit, not the sanity check) is measured."""
+        return not trainer.sanity_checking and self._share.due(trainer.current_epoch, self.every_n_epochs)
+
+    def report_share(self, trainer, label: str, seconds: float) -> None:
+        self._share.report(label, seconds, trainer.current_epoch, self.every_n_epochs,
+                           lambda share: trainer.strategy.broadcast(share, src=0))
+
+
 def _on_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()

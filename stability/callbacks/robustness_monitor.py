@@ -38,6 +38,7 @@ from .measuring import (
     EpochShare,
     MeasurementInterrupted,
     Session,
+    SharedMeasurements,
     format_seconds,
     results_path,
     seconds_per_point,
@@ -47,7 +48,7 @@ from .points import dataset_of, has_finite_weights, load, measure_batches, memor
 from .precision import float32_network
 
 
-class RobustnessMonitor(L.Callback):
+class RobustnessMonitor(SharedMeasurements, L.Callback):
     """Args:
         every_n_epochs: validation epochs between evaluations during fit (0: off, also at test).
         num_points: evaluation points during fit (the first of the validation set).
@@ -139,27 +140,12 @@ class RobustnessMonitor(L.Callback):
             specs += [AttackSpec(name, "L2", e) for e in (self.autoattack_l2_eps if is_autoattack else self.l2_eps)]
         return specs
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._share.epoch_started()
-
-    def state_dict(self) -> dict:
-        return {"share": self._share.state_dict()}  # which validations the bound skips, for a resumed run
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if "share" in state_dict:  # absent from checkpoints written before the bound existed
-            self._share.load_state_dict(state_dict["share"])
-
-    def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            self._share.validation_started()
-
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not self._share.due(trainer.current_epoch, self.every_n_epochs):
+        if not self.measured_now(trainer):
             return
         started = time.perf_counter()
         self._evaluate(trainer, pl_module, trainer.val_dataloaders, self.attacks, self.num_points, "fit")
-        self._share.report("robustness (fit)", time.perf_counter() - started, trainer.current_epoch,
-                           self.every_n_epochs, lambda share: trainer.strategy.broadcast(share, src=0))
+        self.report_share(trainer, "robustness (fit)", time.perf_counter() - started)
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs:

@@ -53,6 +53,7 @@ def power_of_two(scale: float) -> bool:
     """Whether multiplying by ``scale`` is exact (bf16 values stay bf16 values), so it can be applied to q once."""
     return math.frexp(scale)[0] == 0.5
 
+
 def _products(device_type: str, exact_in_tf32: bool):
     """Autocast off; TF32 as the run sets it where the inputs' products are exact in it, else IEEE float32."""
     off = autocast_off(device_type)
