@@ -40,7 +40,7 @@ from stability.lipschitz import training_bound
 from stability.models import capture_queries_keys
 from stability.models.registry import PRESETS
 from stability.nn.precision import float32_math
-from stability.nn.spectral import SubspaceIteration, shape_groups, subspace_step
+from stability.nn.spectral import SubspaceIteration
 from stability.stabilizers.base import ForwardStep
 from stability.stabilizers.muon import MuonConstrained
 from stability.testing.gpu_model import count, cuda_path
@@ -233,23 +233,33 @@ def composition_launches(calls: list[tuple]) -> tuple[int, int]:
 
 def power_step_launches(calls: list[tuple]) -> tuple[int, int]:
     """The eager launches of the recorded power-iteration steps, and those of the graph ``--model.compile`` runs
-    them as (:meth:`SubspaceIteration.compile`) with the stacks and the write-back it leaves eager: a compiled step
-    counts the latter in place of the former."""
+    them as (:meth:`SubspaceIteration.compile`) with the stacks and the write-back it leaves eager (counted as they
+    run around the graph): a compiled step counts the latter in place of the former."""
     eager = compiled = 0
     for power, args, kwargs in calls:
         eager += count(lambda p=power, a=args, k=kwargs: p.step(*a, **k)).launches
         was = power.compiled
         power.compile()
-        compiled += generated_launches(lambda p=power, a=args, k=kwargs: p.step(*a, **k))
+        with counted_calls(power, "stacked") as stacking, counted_calls(power, "write_back") as writing:
+            compiled += generated_launches(lambda p=power, a=args, k=kwargs: p.step(*a, **k))
+        compiled = compiled + sum(stacking) + sum(writing)
         power.compiled = was
-        matrices = [w.detach() for w in args[0]]
-        groups = shape_groups(matrices)
-        stacks, bases = power.stacked(matrices, groups)
-        compiled = compiled + count(lambda p=power, m=matrices, g=groups: p.stacked(m, g)).launches
-        with float32_math(matrices[0].device.type):
-            results = subspace_step(stacks, bases, 1)
-        compiled = compiled + count(lambda p=power, g=groups, r=results: p.write_back(g, r)).launches
     return eager, compiled
+
+
+@contextlib.contextmanager
+def counted_calls(instance: object, method: str) -> Iterator[list[float]]:
+    """The launches of each call of ``instance.method`` made inside the block (eager work: counted as it runs)."""
+    launches: list[float] = []
+    original = getattr(instance, method)
+
+    def counting(*args, **kwargs):
+        out = []
+        launches.append(count(lambda: out.append(original(*args, **kwargs))).launches)
+        return out[0]
+
+    with mock.patch.object(instance, method, counting):
+        yield launches
 
 
 def constraint_launches(calls: list[tuple]) -> tuple[int, int]:
