@@ -4,9 +4,12 @@
     python benchmarks/compiled_kernels.py --cases "none;qk_norm;jasmin k=10"
 
 ``--model.compile true`` compiles the network: its forward and backward become the statements of Inductor's
-generated code that launch — its own kernels (the CPU's C++ ones standing in for a GPU's Triton ones, counted both
-as their loop nests, a GPU kernel each, and as the functions the CPU calls: :func:`wrapper_launches`) and the library
-calls it keeps (matrix products, fused attention), counted in the code itself. The optimizer, the projections and
+generated code that launch — its own kernels and the library calls it keeps (matrix products, fused attention),
+counted in the code itself (:func:`wrapper_launches`). The code counted is the Triton program Inductor writes for an
+H200, generated here without a GPU (:mod:`stability.testing.fake_gpu`: the graphs Inductor lowers, copied onto a fake
+CUDA device); beside it, the C++ the CPU runs, as its loop nests and as its functions, which bracket a GPU's count
+from above and below (a LayerNorm is two nests and one Triton kernel; the CPU writes nodes it cannot fuse into one
+function). The optimizer, the projections and
 most stabilizers' terms stay eager; a term that compiles whole (``Stabilizer.compiles_whole_term``: Specformer's
 penalty, JaSMin's statistics) is counted the same way, from the code generated for its forward and backward. So a
 compiled step launches
@@ -15,9 +18,10 @@ compiled step launches
     − the eager launches of the terms that compile − the eager launches of the power iterations, Muon's
     constraints and the certified losses' bound composition + the launches of their compiled graphs)
 
-counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at 2 and 3
-blocks (:data:`DEPTHS`) and extrapolated to the preset's depth (each count is affine in depth from two blocks on; the
-kernels do not depend on the batch: its dimension is dynamic). Where a GPU is host-bound, as small models are,
+counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at the preset's
+depth: the generated code is not affine in depth (a stack of more than 8 weights of a shape, σReparam's, compiles to
+a kernel a weight where 2 or 3 fuse into their consumers), so nothing is extrapolated. The kernels do not depend on
+the batch. Where a GPU is host-bound, as small models are,
 launches set the time: the ratio to the compiled baseline is then the compiled column's ratio. Where the GPU is busy
 it is not: bytes and FLOPs change little by compiling.
 """
@@ -43,11 +47,9 @@ from stability.nn.precision import float32_math
 from stability.nn.spectral import SubspaceIteration
 from stability.stabilizers.base import ForwardStep
 from stability.stabilizers.muon import MuonConstrained
+from stability.testing.fake_gpu import triton_code
 from stability.testing.gpu_model import count, cuda_path
 
-# two blocks at least: with one, every shape group holds one matrix, and Inductor's code for a stack of one differs
-# (the compiled power iteration: 48 loop nests for one matrix of a shape, 35 for any number from two)
-DEPTHS = (2, 3)
 BATCH = 4
 # a statement of Inductor's generated wrapper that calls something: `f(…)`, `buf = f(…)`, `(buf1, ) = f(…)`
 CALL = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?([\w.]+)\(", re.M)
@@ -90,8 +92,9 @@ def wrapper_launches(source: str) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def generated_modules() -> Iterator[list[str]]:
-    """The source of every module Inductor generates inside the block (its caches off, so nothing is skipped)."""
+def generated_modules() -> Iterator[tuple[list[str], list[str]]]:
+    """The source of every module Inductor generates inside the block (its caches off, so nothing is skipped), for
+    the CPU it runs on and for an H200 (:func:`~stability.testing.fake_gpu.triton_code`): (C++, Triton)."""
     sources: list[str] = []
     original = GraphLowering.compile_to_module
 
@@ -102,8 +105,8 @@ def generated_modules() -> Iterator[list[str]]:
 
     # one thread: with more, Inductor wraps consecutive loop nests in one parallel region, which counts as one nest
     with inductor_config.patch({"fx_graph_cache": False, "autotune_local_cache": False, "cpp.threads": 1}), \
-            mock.patch.object(GraphLowering, "compile_to_module", recording):
-        yield sources
+            triton_code() as triton, mock.patch.object(GraphLowering, "compile_to_module", recording):
+        yield sources, triton
 
 
 def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[str, float | None]:
@@ -157,14 +160,15 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
 
 
 def generated_launches(run: Callable[[], object], fresh: bool = True) -> np.ndarray:
-    """The launches of the code Inductor generates while ``run()`` runs, [loop nests, C++ functions]
-    (:func:`wrapper_launches`; ``fresh``: Dynamo's caches reset first, so that what ``run`` compiles is compiled,
-    and counted, anew)."""
+    """The launches of the code Inductor generates while ``run()`` runs, [Triton kernels for an H200, C++ loop nests,
+    C++ functions] (:func:`wrapper_launches`; ``fresh``: Dynamo's caches reset first, so that what ``run`` compiles
+    is compiled, and counted, anew)."""
     if fresh:
         torch._dynamo.reset()
-    with generated_modules() as sources:
+    with generated_modules() as (cpp, triton):
         run()
-    return sum((wrapper_launches(source) for source in sources), np.zeros(2, dtype=int))
+    kernels = sum((wrapper_launches(source)[1] for source in triton), 0)
+    return np.array([kernels, *sum((wrapper_launches(source) for source in cpp), np.zeros(2, dtype=int))])
 
 
 @contextlib.contextmanager
@@ -315,10 +319,11 @@ def logits_step(module, images: torch.Tensor, labels: torch.Tensor, precision: s
     return ForwardStep(module.network, images, logits, labels, queries_keys=queries_keys)
 
 
-def both(counts: np.ndarray, form: str = "{:.0f}") -> str:
-    """[loop nests, C++ functions] as a table cell: ``nests (functions)`` (a plain number: eager, both alike)."""
-    counts = np.broadcast_to(counts, 2)
-    return f"{form.format(counts[0])} ({form.format(counts[1])})"
+def cell(counts: np.ndarray, form: str = "{:.0f}") -> str:
+    """[Triton kernels, C++ loop nests, C++ functions] as a table cell: ``kernels (nests, functions)`` (a plain
+    number: eager, all alike)."""
+    counts = np.broadcast_to(counts, 3)
+    return f"{form.format(counts[0])} ({form.format(counts[1])}, {form.format(counts[2])})"
 
 
 def network_pass(module, images: torch.Tensor, precision: str, compiled: bool = False) -> None:
@@ -344,14 +349,14 @@ def main() -> None:
     depth = PRESETS["vit"][args.size]["depth"]
     rows, compiled_steps = [], {}
     for case in selected([c for c in CASES if not c.label.endswith("exact") and "exact," not in c.label], only):
-        at = [counts_at(case, args.size, args.tokens, d, args.precision) for d in DEPTHS]
+        at = counts_at(case, args.size, args.tokens, depth, args.precision)
         print(f"{case.label}: {at}", flush=True)
 
-        def extrapolated(key: str, at: list = at) -> float:
-            return at[0][key] + (depth - DEPTHS[0]) * (at[1][key] - at[0][key])
+        def extrapolated(key: str, at: dict = at) -> float:
+            return at[key]
 
         eager = extrapolated("step")
-        if at[0]["compiled"] is None:
+        if at["compiled"] is None:
             rows.append([case.label, f"{eager:.0f}", "—", "—", "—", "refused compiled", "—"])
             continue
         network, terms = extrapolated("network"), extrapolated("terms compiled")
@@ -361,13 +366,12 @@ def main() -> None:
                    + extrapolated("power compiled"))
         compiled = compiled_steps[case.label] = region + outside
         reference = compiled_steps.get(case.reference)
-        ratio = "—" if reference is None else both(compiled / reference, "{:.2f}×") + (
+        ratio = "—" if reference is None else cell(compiled / reference, "{:.2f}×") + (
             f" ({case.reference})" if case.reference != "none" else "")
-        rows.append([case.label, f"{eager:.0f}", f"{network:.0f}", both(region), both(outside), both(compiled),
+        rows.append([case.label, f"{eager:.0f}", f"{network:.0f}", cell(region), cell(outside), cell(compiled),
                      ratio])
-    body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at {DEPTHS[0]} and {DEPTHS[1]} blocks on "
-            f"{args.tokens} tokens "
-            "and extrapolated (module docstring). `eager step`: the eager step's launches on the GPU's code path; "
+    body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at its depth on {args.tokens} tokens "
+            "(module docstring). `eager step`: the eager step's launches on the GPU's code path; "
             "`network, eager` and `network, compiled`: its forward and backward, eager and as the launches of "
             "Inductor's generated code (kernels and library calls), with the terms that compile whole (Specformer's "
             "penalty, JaSMin's statistics); `eager outside`: the step's other launches (the other stabilizers' "
@@ -376,16 +380,17 @@ def main() -> None:
             "of their own, count as those graphs' launches; `compiled step`: the compiled network and terms and what "
             "stays eager, and its ratio to its reference compiled (step_cost.py's: the baseline, plain Muon for its "
             "constraints, the certified losses' base for them), the compiled column's ratio where launches set the "
-            "time. Each compiled count is `nests (functions)`: Inductor's C++ kernels counted as their loop nests, "
-            "one GPU kernel each (a little above a GPU's count: Triton fuses a reduction with its consumer, two "
-            "nests here), and as the C++ functions the CPU launches (well below it: the CPU writes nodes it cannot "
-            "fuse into one function).\n\n"
+            "time. Each compiled count is `kernels (nests, functions)`: the launches of the Triton program Inductor "
+            "writes for an H200, generated without a GPU (stability/testing/fake_gpu.py; a fused attention counted "
+            "as one launch forward and one backward), and, for comparison, of the C++ the CPU runs, its kernels "
+            "counted as their loop nests (above a GPU's count: a LayerNorm is two nests, one Triton kernel) and as "
+            "its functions (below it: the CPU writes nodes it cannot fuse into one function).\n\n"
             + markdown(["row", "eager step", "network, eager", "network, compiled", "eager outside",
                         "compiled step", "× its reference, compiled"], rows))
     matrices, eager, compiled = power_iteration_launches(args.size, args.tokens)
     body += (f"\n\nThe block power iteration alone (spectral_norm's projection over the {matrices} Linear weights of "
              f"ViT-{args.size}; Muon's constraints and the certified losses' bound take the same step), which "
-             f"`--model.compile` compiles into one graph of its own: {eager:.0f} launches eager, {both(compiled)} "
+             f"`--model.compile` compiles into one graph of its own: {eager:.0f} launches eager, {cell(compiled)} "
              "compiled. The rows above count it compiled, inside `eager outside`.")
     write("compiled_kernels", args, device, "The compiled step's launches, counted on the CPU", body)
 
