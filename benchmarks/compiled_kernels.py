@@ -167,6 +167,7 @@ def generated_launches(run: Callable[[], object], fresh: bool = True) -> np.ndar
         torch._dynamo.reset()
     with generated_modules() as (cpp, triton):
         run()
+    assert len(triton) == len(cpp), f"{len(triton)} graphs generated for the H200, {len(cpp)} for the CPU"
     kernels = sum((wrapper_launches(source)[1] for source in triton), 0)
     return np.array([kernels, *sum((wrapper_launches(source) for source in cpp), np.zeros(2, dtype=int))])
 
@@ -337,7 +338,7 @@ def network_pass(module, images: torch.Tensor, precision: str, compiled: bool = 
 
 def main() -> None:
     p = arguments(__doc__.split("\n")[0])
-    p.add_argument("--size", default="small", help="ViT preset (its depth is the one extrapolated to)")
+    p.add_argument("--size", default="small", help="ViT preset (counted at its depth)")
     p.add_argument("--tokens", type=int, default=16, help="tokens of the counted steps (counts barely depend on it)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--cases", default=None, help="';'-separated row labels of step_cost.py (default: its ViT rows)")
@@ -352,18 +353,15 @@ def main() -> None:
         at = counts_at(case, args.size, args.tokens, depth, args.precision)
         print(f"{case.label}: {at}", flush=True)
 
-        def extrapolated(key: str, at: dict = at) -> float:
-            return at[key]
-
-        eager = extrapolated("step")
+        eager = at["step"]
         if at["compiled"] is None:
             rows.append([case.label, f"{eager:.0f}", "—", "—", "—", "refused compiled", "—"])
             continue
-        network, terms = extrapolated("network"), extrapolated("terms compiled")
-        region = extrapolated("compiled") + terms
+        network, terms = at["network"], at["terms compiled"]
+        region = at["compiled"] + terms
         # what stays eager, its power-iteration steps (which compile) counted as their compiled graph's launches
-        outside = (eager - network - extrapolated("terms eager") - extrapolated("power eager")
-                   + extrapolated("power compiled"))
+        outside = (eager - network - at["terms eager"] - at["power eager"]
+                   + at["power compiled"])
         compiled = compiled_steps[case.label] = region + outside
         reference = compiled_steps.get(case.reference)
         ratio = "—" if reference is None else cell(compiled / reference, "{:.2f}×") + (

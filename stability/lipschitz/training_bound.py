@@ -151,7 +151,7 @@ class TrainingBound:
         """Compose the estimates into the bound in one compiled graph (``--model.compile``). The composition is a
         recursion over the blocks of a few dozen operators on scalars and per-head vectors each, and twice that in
         its backward (≈ 164 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
-        ≈ 7 kernels a block (its loop nests on the CPU, each a GPU kernel; benchmarks/compiled_kernels.py). The
+        ≈ 7 kernels a block (benchmarks/compiled_kernels.py). The
         power iteration before it is
         compiled too, as one graph of its own (:meth:`SubspaceIteration.compile`), called inside the IEEE-float32
         context, which sets torch's matmul precision (something a graph cannot do)."""
