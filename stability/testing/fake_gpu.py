@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import re
 import types
 from collections.abc import Iterator
@@ -72,15 +73,10 @@ def _on_cuda(value: Any) -> Any:
     return value
 
 
-def _attribute(module: torch.nn.Module, target: str) -> Any:
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
-
-
 def _set_attribute(module: torch.nn.Module, target: str, value: torch.Tensor) -> None:
+    """``module``'s dotted attribute ``target`` set to ``value``, where it is a parameter, a buffer or a constant."""
     *path, name = target.split(".")
-    owner = _attribute(module, ".".join(path)) if path else module
+    owner = operator.attrgetter(".".join(path))(module) if path else module
     if name in owner._parameters:
         owner._parameters[name] = value
     elif name in owner._buffers:
@@ -124,9 +120,9 @@ def fake_h200() -> Iterator[None]:
             raise FakeGpuUnavailable(f"torch {torch.__version__}: {missing}") from missing
         try:
             yield
-        finally:  # answers cached from the fake H200 would steer a real GPU's compile later in this process
-            for cached in ("is_big_gpu",):
-                getattr(getattr(inductor_utils, cached, None), "cache_clear", lambda: None)()
+        finally:  # an answer cached from the fake H200 would steer a real GPU's compile later in this process
+            if hasattr(big := getattr(inductor_utils, "is_big_gpu", None), "cache_clear"):
+                big.cache_clear()
 
 
 def generate_for_h200(codegen_and_compile, graph: torch.fx.GraphModule, example_inputs: list, inputs_to_check,
@@ -158,7 +154,7 @@ def generate_for_h200(codegen_and_compile, graph: torch.fx.GraphModule, example_
 
     with fake_h200(), mock.patch.object(GraphLowering, "compile_to_module", codegen_only):
         for node in graph.graph.nodes:  # the tensors the graph reads as attributes (constants) move with it
-            if node.op == "get_attr" and isinstance(value := _attribute(graph, node.target), torch.Tensor):
+            if node.op == "get_attr" and isinstance(value := operator.attrgetter(node.target)(graph), torch.Tensor):
                 _set_attribute(graph, node.target, fake(value))
         inputs = [fake(value) for value in example_inputs]
         try:  # a tracing context of its own: the fake mode of the CPU compile must not meet these inputs
