@@ -30,7 +30,8 @@ from ..nn.precision import at_least_float32, float32_math
 from ..nn.spectral import SubspaceIteration, top_singular_value
 from .certified import certified_bound
 from .conv_bounds import is_lipconvnet
-from .transformer_bounds import NotALipschitzTransformer, _parts, bound_matrices, pixel_bound
+from .stacked_bound import stacked_pixel_bound
+from .transformer_bounds import NotALipschitzTransformer, _parts, bound_matrices
 
 
 class TrainingBound:
@@ -148,13 +149,12 @@ class TrainingBound:
                            None if bound.head_weight is None else bound.head_weight.to(like))
 
     def compile(self) -> None:
-        """Compose the estimates into the bound in one compiled graph (``--model.compile``). The composition is a
-        recursion over the blocks of a few dozen operators on scalars and per-head vectors each, and twice that in
-        its backward (≈ 164 launches a block, ≈ 2,000 a step on ViT-S: launch-bound on a GPU), where Inductor makes
-        ≈ 7 kernels a block (benchmarks/compiled_kernels.py). The
-        power iteration before it is
-        compiled too, as one graph of its own (:meth:`SubspaceIteration.compile`), called inside the IEEE-float32
-        context, which sets torch's matmul precision (something a graph cannot do)."""
+        """Compose the estimates into the bound in one compiled graph (``--model.compile``). Eagerly the
+        composition, stacked over the blocks, is 285 launches forward and backward on ViT-S (a few a block and a
+        fixed number besides: launch-bound on a GPU), where Inductor writes 28 kernels (benchmarks/compiled_kernels.py).
+        The power iteration before it is compiled too, as one graph of its own (:meth:`SubspaceIteration.compile`),
+        called inside the IEEE-float32 context, which sets torch's matmul precision (something a graph cannot
+        do)."""
         self.compiled = True
         if self._power is not None:
             self._power.compile()
@@ -178,8 +178,9 @@ class TrainingBound:
 
 def composed_bound(network: nn.Module, sigmas: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The Lipschitz transformer's pixel bound from σ̂ estimates, differentiable (:func:`.transformer_bounds.pixel_bound`
-    with ``sigmas``): what :meth:`TrainingBound.compile` compiles."""
-    return pixel_bound(network, differentiable=True, sigmas=sigmas)
+    with ``sigmas``, composed for all blocks at once: :func:`.stacked_bound.stacked_pixel_bound`): what
+    :meth:`TrainingBound.compile` compiles."""
+    return stacked_pixel_bound(network, sigmas)
 
 
 def _vectors(groups: list, where: dict[str, tuple[int, int]], names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
