@@ -118,6 +118,42 @@ def test_batched_groups_equal_each_matrix_alone():
             torch.testing.assert_close(v1, v2, atol=1e-4, rtol=0)
 
 
+def largest_difference_from_groups_alone() -> float:
+    """Shapes (16, 20), (30, 20) and (5, 20) share their bases' shape (20 × 5), so one Cholesky QR serves the three
+    groups: the largest difference of an estimate, a vector or a basis from the groups stepped one by one (float64),
+    with a zero matrix among them (it keeps its basis)."""
+    modules = [m.double() for m in linears((16, 20), (16, 20), (30, 20), (5, 20), (5, 20))]
+    with torch.no_grad():
+        modules[4].weight.zero_()
+    together = SubspaceIteration.of_weights(modules, "a", block=5)
+    groups = [[modules[0], modules[1]], [modules[2]], [modules[3], modules[4]]]
+    alone = [SubspaceIteration.of_weights(group, "b", block=5) for group in groups]
+    for m in modules:  # the same starting bases
+        m.b_basis.copy_(m.a_basis)
+    batched = estimates(together, modules, iterations=2)
+    single = [value for e, group in zip(alone, groups) for value in estimates(e, group, iterations=2)]
+    assert batched[4][0] == 0.0 and torch.isfinite(modules[4].a_basis).all()
+    differences = [abs(s1 - s2) for (s1, _, _), (s2, _, _) in zip(batched, single)]
+    differences += [float((x1 - x2).abs().max()) for (_, u1, v1), (_, u2, v2) in zip(batched, single)
+                    for x1, x2 in ((u1, u2), (v1, v2))]
+    differences += [float((m.a_basis - m.b_basis).abs().max()) for m in modules]
+    return max(differences)
+
+
+def test_groups_of_one_width_orthonormalised_together_equal_each_group_alone(monkeypatch):
+    from stability.nn import spectral
+
+    assert largest_difference_from_groups_alone() <= 1e-12
+    original = spectral._orthonormal_all
+
+    def parts_to_the_wrong_groups(zs, previous):  # a planted error: two groups of two get each other's bases
+        out = original(zs, previous)
+        return out[::-1] if len(out) == 3 else out
+
+    monkeypatch.setattr(spectral, "_orthonormal_all", parts_to_the_wrong_groups)
+    assert largest_difference_from_groups_alone() > 1e-3
+
+
 def test_hammer_and_spectral_weight_decay_from_the_estimated_triplet_equal_the_exact_ones():
     (module,) = linears((12, 20))
     estimator = SubspaceIteration.of_weights([module], "test")
