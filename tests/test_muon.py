@@ -368,3 +368,30 @@ def test_soft_cap_holds_sigma_max_over_many_muon_steps_with_either_update_norm(u
         stab.after_optimizer_step(module.network)
         assert max(constraints.rms_norm(p.double()) for p in hidden_matrices(module.network)) <= 1.0 + 1e-5
     assert stab.last_alpha > 0
+
+
+def written_out_newton_schulz(x: torch.Tensor, growth: int, polish: int, coefficients=constraints.JORDAN_QUINTIC):
+    """The reference: the iteration as its polynomials, one operator at a time."""
+    a, b, c = coefficients
+    for _ in range(growth):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    for _ in range(polish):
+        x = 1.5 * x - 0.5 * ((x @ x.mT) @ x)
+    return x
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (3, 8, 12), (2, 3, 8, 12)])
+def test_newton_schulz_on_fused_products_is_the_written_out_iteration_in_three_and_two_launches_a_step(shape):
+    """Each step's scalings and sums ride on its batched products: the same iterates in float64 (to 1e-12), any
+    number of leading dimensions, three launches a quintic step and two a cubic one; a wrong coefficient fails."""
+    from stability.testing.gpu_model import count
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x / torch.linalg.matrix_norm(x, keepdim=True)
+    fused = constraints.newton_schulz(x, 5, 3)
+    torch.testing.assert_close(fused, written_out_newton_schulz(x, 5, 3), atol=1e-12, rtol=0)
+    a, b, c = constraints.JORDAN_QUINTIC
+    assert float((fused - written_out_newton_schulz(x, 5, 3, (a, b * 1.001, c))).abs().max()) > 1e-6
+    assert count(lambda: constraints.newton_schulz(x, 5, 0)).launches == 15
+    assert count(lambda: constraints.newton_schulz(x, 0, 3)).launches == 6
