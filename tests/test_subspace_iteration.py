@@ -142,8 +142,13 @@ def largest_difference_from_groups_alone() -> float:
 
 def test_groups_of_one_width_orthonormalised_together_equal_each_group_alone(monkeypatch):
     from stability.nn import spectral
+    from stability.testing.gpu_model import count
 
     assert largest_difference_from_groups_alone() <= 1e-12
+    modules = linears((16, 20), (30, 20), (5, 20))
+    estimator = SubspaceIteration.of_weights(modules, "c", block=5)
+    step = count(lambda: estimator.step([m.weight for m in modules], iterations=2))
+    assert step.ops["linalg_cholesky_ex"] == 2  # one factorisation an iteration for the three shapes
     original = spectral._orthonormal_all
 
     def parts_to_the_wrong_groups(zs, previous):  # a planted error: two groups of two get each other's bases

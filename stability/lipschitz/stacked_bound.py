@@ -7,13 +7,13 @@ nothing. Here only the token size r, which passes from block to block, is carrie
 bound needs it (dot-product attention's bound depends on the size of its input tokens; L2 attention's, token
 mixing's and the MLP's do not). Each block maps r in closed form, its coefficients computed for all blocks at once:
 
-    attention   r ↦ (1 − a)·r + a·(min(ω·√(A r² + B r + C), D r + E) + ‖b_O‖)
+    attention   r ↦ (1 − a)·r + a·(min(‖W_O‖·‖r_V‖, Σ_h ‖W_O^h‖·r_V^h)/3 + ‖b_O‖),  r_V^h = ‖W_V^h‖·r + ‖b_V^h‖
     MLP         r ↦ (1 − a)·r + a·(‖W₂‖·λ·(‖W₁‖·r + ‖b₁‖) + ‖b₂‖)
 
-For dot-product attention ‖r_V‖² = Σ_h (‖W_V^h‖r + ‖b_V^h‖)² = A r² + B r + C and Σ_h ‖W_O^h‖(‖W_V^h‖r + ‖b_V^h‖)
-= D r + E, with ω = ‖W_O‖/3 (D and E carry the 1/3 too); without biases the map is linear, r ↦ r·min(ω√A, D), and
-so are L2 attention's and token mixing's. A block of linear maps is one multiply-add. Every block's Lipschitz factor
-is then computed from the sizes for all blocks at once, (blocks, heads) tensors, and the bound is their product.
+(dot-product attention). Without biases on W_V the attention's map is linear, r ↦ r·min(‖W_O‖·‖W_V^h‖_h,
+Σ_h ‖W_O^h‖‖W_V^h‖)/3 + ‖b_O‖, and so are L2 attention's and token mixing's: a block is then one multiply-add.
+Every block's Lipschitz factor is then computed from the sizes for all blocks at once, (blocks, heads) tensors, and
+the bound is their product.
 
 The same function as ``pixel_bound`` given the same σ̂, in value and gradient (tested to 1e-10 in float64 on the
 ViT, the hybrid and the token-mixing control, with and without biases); ``pixel_bound`` stays the certificate's
@@ -116,7 +116,7 @@ def _unbound(values: Scalar, count: int) -> list:
 def _carry_sizes(r: torch.Tensor, attention: tuple | list, mlp_factor: torch.Tensor,
                  mlp_offset: Scalar) -> torch.Tensor:
     """(blocks,): the size of the tokens entering each block, carried from the embedding's ``r`` through each block's
-    attention map — linear, (slopes, offsets) for all blocks, or a :class:`_QuadraticSize` each — and its MLP."""
+    attention map — linear, (slopes, offsets) for all blocks, or a :class:`_BiasedSize` each — and its MLP."""
     count = len(mlp_factor)
     sizes = []
     if isinstance(attention, tuple):  # both maps linear: a block is one multiply-add
@@ -134,16 +134,17 @@ def _carry_sizes(r: torch.Tensor, attention: tuple | list, mlp_factor: torch.Ten
     return torch.stack(sizes)
 
 
-class _QuadraticSize:
-    """r ↦ (1 − a)·r + a·(min(ω·√(A r² + B r + C), D r + E) + ‖b_O‖): dot-product attention with biases on W_V."""
+class _BiasedSize:
+    """r ↦ (1 − a)·r + a·(min(‖W_O‖·‖r_V‖, Σ_h ‖W_O^h‖·r_V^h)/3 + ‖b_O‖), r_V = (‖W_V^h‖·r + ‖b_V^h‖)_h: one block of
+    dot-product attention with biases on W_V, as :func:`~.transformer_bounds._dot_attention` sizes it (a norm whose
+    gradient at 0 is 0, and the two sides of the min rounded alike, so that a tie splits its gradient alike)."""
 
-    def __init__(self, a: Scalar, omega, quadratic, linear, constant, slope, offset, bias) -> None:
-        self.a, self.omega, self.quadratic, self.linear, self.constant = a, omega, quadratic, linear, constant
-        self.slope, self.offset, self.bias = slope, offset, bias
+    def __init__(self, a: Scalar, whole, w_o, w_v, b_v, bias) -> None:
+        self.a, self.whole, self.w_o, self.w_v, self.b_v, self.bias = a, whole, w_o, w_v, b_v, bias
 
     def __call__(self, r: torch.Tensor) -> torch.Tensor:
-        norm = torch.sqrt((self.quadratic * r + self.linear) * r + self.constant)
-        size = torch.minimum(self.omega * norm, self.slope * r + self.offset) + self.bias
+        r_v = self.w_v * r + self.b_v  # (H,)
+        size = torch.minimum(self.whole * row_norms(r_v), (self.w_o * r_v).sum(-1)) / 3 + self.bias
         return (1 - self.a) * r + self.a * size
 
 
@@ -167,18 +168,14 @@ class _DotAttention:
 
     def size_map(self, a: Scalar) -> tuple | list:
         """r ↦ (1 − a)·r + a·size(r) of every block: (slopes, offsets) where it is linear (no biases on W_V:
-        size(r) = min(‖W_O‖√A/3, D)·r + ‖b_O‖), else a :class:`_QuadraticSize` each."""
+        size(r) = min(‖W_O‖·‖W_V^h‖_h, Σ_h ‖W_O^h‖‖W_V^h‖)/3·r + ‖b_O‖), else a :class:`_BiasedSize` each."""
         count = len(self.whole)
         w_v = self.w[:, 2]
-        reach = (self.w_o * w_v).sum(-1) / 3  # D
         if isinstance(self.b, float):
-            spread = self.whole / 3 * row_norms(w_v)
-            return (1 - a) + a * torch.minimum(spread, reach), a * self.b_o
-        b_v = self.b[:, 2]
-        parts = [self.whole / 3, (w_v * w_v).sum(-1), 2 * (w_v * b_v).sum(-1), (b_v * b_v).sum(-1), reach,
-                 (self.w_o * b_v).sum(-1) / 3, self.b_o]
-        columns = [_unbound(part, count) for part in parts]
-        return [_QuadraticSize(weight, *(column[j] for column in columns))
+            spread = torch.minimum(self.whole * row_norms(w_v), (self.w_o * w_v).sum(-1)) / 3
+            return (1 - a) + a * spread, a * self.b_o
+        columns = [_unbound(part, count) for part in (self.whole, self.w_o, w_v, self.b[:, 2], self.b_o)]
+        return [_BiasedSize(weight, *(column[j] for column in columns))
                 for j, weight in enumerate(_unbound(a, count))]
 
     def lipschitz(self, sizes: torch.Tensor) -> torch.Tensor:

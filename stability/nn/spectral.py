@@ -211,12 +211,12 @@ def _top_eigenvectors(grams: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _orthonormal_all(zs: list[torch.Tensor], previous: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`_orthonormal` of every (G_i, n, b) stack of ``zs``, those of one (n, b) and dtype in one batch — every
-    matrix of n columns, whatever its rows (W_Q^h of 64 rows, W_O of 384, fc1 of 1,536 on ViT-S: one factorisation,
-    not three); each matrix is factorised on its own, so batching changes nothing but the number of launches."""
+    """:func:`_orthonormal` of every (G_i, n, b) stack of ``zs``, those of one (n, b), dtype and device in one batch —
+    every matrix of n columns, whatever its rows (W_Q^h of 64 rows, W_O of 384, fc1 of 1,536 on ViT-S: one
+    factorisation, not three); each matrix is factorised on its own, so batching changes nothing but the launches."""
     by_kind: dict[tuple, list[int]] = {}
     for i, z in enumerate(zs):
-        by_kind.setdefault((*z.shape[1:], z.dtype), []).append(i)
+        by_kind.setdefault((*z.shape[1:], z.dtype, z.device), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(zs)
     for members in by_kind.values():
         if len(members) == 1:
