@@ -18,10 +18,11 @@ VIT = dict(embed_dim=16, depth=3, num_heads=2)
 
 def network_of(attention: str = "dot", biases: bool = False, pooling: str = "backbone", depth: int = 3,
                residuals: list[float] | None = None, heads: int = 2, backbone: str = "vit",
-               unequal_heads: bool = False) -> torch.nn.Module:
+               unequal_heads: bool = False, zero_values: bool = False) -> torch.nn.Module:
     """A Lipschitz-transformer ViT (or the hybrid) in float64, its weights random (the bound then moves with every one
     of them). ``unequal_heads``: head 1's W_Q, W_K, W_V rows × 0.02 and its W_O columns × 5, so that Σ_h ‖W_O^h‖·x_h
-    is below ‖W_O‖·‖x‖ and wins every min."""
+    is below ‖W_O‖·‖x‖ and wins every min. ``zero_values``: the first block's W_V and b_V zero (a zero-initialised
+    matrix): its value sizes are 0, where a square root's gradient would be infinite."""
     torch.manual_seed(0)
     average = pooling == "avg"
     options = {"num_heads": heads} if backbone == "hybrid" else \
@@ -43,6 +44,11 @@ def network_of(attention: str = "dot", biases: bool = False, pooling: str = "bac
                 for part in (attn.qkv.q, attn.qkv.k, attn.qkv.v):
                     part.weight[width:2 * width] *= 0.02
                 attn.proj.weight[:, width:2 * width] *= 5
+        if zero_values:
+            values = network.backbone.blocks[0].block.attn.qkv.v
+            values.weight.zero_()
+            if values.bias is not None:
+                values.bias.zero_()
     for wrapper, a in zip(network.backbone.blocks, residuals or []):
         wrapper.a = a
     return network
@@ -99,6 +105,7 @@ CASES = {
     "dot, unequal heads": dict(unequal_heads=True),
     "dot, biases, unequal heads": dict(biases=True, unequal_heads=True),
     "dot, one head": dict(heads=1),
+    "dot, biases, a zero W_V and b_V": dict(biases=True, zero_values=True),
     "dot, biases, one head": dict(biases=True, heads=1),
     "l2_unit, one head": dict(attention="l2_unit", heads=1),
     "hybrid, l2_unit, all tokens to the head": dict(backbone="hybrid", attention="l2_unit", pooling="flatten"),
