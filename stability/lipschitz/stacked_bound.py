@@ -10,8 +10,8 @@ mixing's and the MLP's do not). Each block maps r in closed form, its coefficien
     attention   r ↦ (1 − a)·r + a·(min(‖W_O‖·‖r_V‖, Σ_h ‖W_O^h‖·r_V^h)/3 + ‖b_O‖),  r_V^h = ‖W_V^h‖·r + ‖b_V^h‖
     MLP         r ↦ (1 − a)·r + a·(‖W₂‖·λ·(‖W₁‖·r + ‖b₁‖) + ‖b₂‖)
 
-(dot-product attention). Without biases on W_V the attention's map is linear, r ↦ r·min(‖W_O‖·‖W_V^h‖_h,
-Σ_h ‖W_O^h‖‖W_V^h‖)/3 + ‖b_O‖, and so are L2 attention's and token mixing's: a block is then one multiply-add.
+(dot-product attention). Without biases on W_V the attention's output size is linear in r, r·min(‖W_O‖·‖W_V^h‖_h,
+Σ_h ‖W_O^h‖‖W_V^h‖)/3 + ‖b_O‖, and so are L2 attention's and token mixing's: a block's map is then one multiply-add.
 Every block's Lipschitz factor is then computed from the sizes for all blocks at once, (blocks, heads) tensors, and
 the bound is their product.
 
