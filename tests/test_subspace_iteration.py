@@ -149,14 +149,15 @@ def test_groups_of_one_width_orthonormalised_together_equal_each_group_alone(mon
     estimator = SubspaceIteration.of_weights(modules, "c", block=5)
     step = count(lambda: estimator.step([m.weight for m in modules], iterations=2))
     assert step.ops["linalg_cholesky_ex"] == 2  # one factorisation an iteration for the three shapes
-    original = spectral._orthonormal_all
+    original = spectral._batched
+    for planted in (spectral._orthonormal, spectral._top_eigenvector):
+        def parts_to_the_wrong_groups(solve, stacks, *alongside, planted=planted):  # two groups get each other's
+            out = original(solve, stacks, *alongside)
+            return out[::-1] if solve is planted and len(out) == 3 else out
 
-    def parts_to_the_wrong_groups(zs, previous):  # a planted error: two groups of two get each other's bases
-        out = original(zs, previous)
-        return out[::-1] if len(out) == 3 else out
-
-    monkeypatch.setattr(spectral, "_orthonormal_all", parts_to_the_wrong_groups)
-    assert largest_difference_from_groups_alone() > 1e-3
+        monkeypatch.setattr(spectral, "_batched", parts_to_the_wrong_groups)
+        assert largest_difference_from_groups_alone() > 1e-3, planted.__name__
+        monkeypatch.setattr(spectral, "_batched", original)
 
 
 def test_hammer_and_spectral_weight_decay_from_the_estimated_triplet_equal_the_exact_ones():

@@ -13,6 +13,7 @@ Specformer's paper prescribes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -179,9 +180,9 @@ def subspace_step(stacks: list[torch.Tensor], bases: list[torch.Tensor],
     ws = [stacked.to(torch.promote_types(stacked.dtype, torch.float32)) for stacked in stacks]  # (G, m, n) each
     current = [old.to(w.dtype) for w, old in zip(ws, bases)]  # (G, n, b) each
     for _ in range(iterations):
-        current = _orthonormal_all([w.mT @ (w @ basis) for w, basis in zip(ws, current)], current)
+        current = _batched(_orthonormal, [w.mT @ (w @ basis) for w, basis in zip(ws, current)], current)
     pending = [(w, basis, w @ basis, old.dtype) for w, basis, old in zip(ws, current, bases)]  # images (G, m, b)
-    tops = _top_eigenvectors([images.mT @ images for _, _, images, _ in pending])  # each (G, b)
+    tops = _batched(_top_eigenvector, [images.mT @ images for _, _, images, _ in pending])  # each (G, b)
     results = []
     for (w, basis, images, dtype), x in zip(pending, tops):
         v, wv = (basis @ x.unsqueeze(-1)).squeeze(-1), (images @ x.unsqueeze(-1)).squeeze(-1)
@@ -195,35 +196,24 @@ def subspace_step(stacks: list[torch.Tensor], bases: list[torch.Tensor],
 RECOMPILE_LIMIT = 64  # dynamo's cache entries per code object, at least, once a SubspaceIteration compiles
 
 
-def _top_eigenvectors(grams: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`_top_eigenvector` of every (G_i, b, b) stack of ``grams``, those of one size and dtype solved in one
-    batch (each matrix is normalised on its own, so batching changes nothing but the number of launches)."""
+def _batched(solve: Callable[..., torch.Tensor], stacks: list[torch.Tensor],
+             *alongside: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``solve`` of every (G_i, …) stack of ``stacks`` (with the i-th stack of each list in ``alongside``), the
+    stacks of one trailing shape, dtype and device concatenated into one batch: every matrix of n columns whatever
+    its rows, for :func:`_orthonormal` (W_Q^h of 64 rows, W_O of 384, fc1 of 1,536 on ViT-S: one factorisation, not
+    three), and every b × b Gram matrix for :func:`_top_eigenvector`. ``solve`` treats each matrix on its own, so
+    batching changes nothing but the number of launches."""
     by_kind: dict[tuple, list[int]] = {}
-    for i, gram in enumerate(grams):
-        by_kind.setdefault((gram.shape[-1], gram.dtype), []).append(i)
-    tops: list[torch.Tensor | None] = [None] * len(grams)
-    for members in by_kind.values():
-        solved = _top_eigenvector(torch.cat([grams[i] for i in members])) if len(members) > 1 else \
-            _top_eigenvector(grams[members[0]])
-        for i, part in zip(members, solved.split([grams[i].shape[0] for i in members])):
-            tops[i] = part
-    return tops
-
-
-def _orthonormal_all(zs: list[torch.Tensor], previous: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`_orthonormal` of every (G_i, n, b) stack of ``zs``, those of one (n, b), dtype and device in one batch —
-    every matrix of n columns, whatever its rows (W_Q^h of 64 rows, W_O of 384, fc1 of 1,536 on ViT-S: one
-    factorisation, not three); each matrix is factorised on its own, so batching changes nothing but the launches."""
-    by_kind: dict[tuple, list[int]] = {}
-    for i, z in enumerate(zs):
-        by_kind.setdefault((*z.shape[1:], z.dtype, z.device), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(zs)
+    for i, stack in enumerate(stacks):
+        by_kind.setdefault((*stack.shape[1:], stack.dtype, stack.device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(stacks)
     for members in by_kind.values():
         if len(members) == 1:
-            out[members[0]] = _orthonormal(zs[members[0]], previous[members[0]])
+            out[members[0]] = solve(stacks[members[0]], *(other[members[0]] for other in alongside))
             continue
-        solved = _orthonormal(torch.cat([zs[i] for i in members]), torch.cat([previous[i] for i in members]))
-        for i, part in zip(members, solved.split([zs[i].shape[0] for i in members])):
+        solved = solve(torch.cat([stacks[i] for i in members]),
+                       *(torch.cat([other[i] for i in members]) for other in alongside))
+        for i, part in zip(members, solved.split([stacks[i].shape[0] for i in members])):
             out[i] = part
     return out
 
