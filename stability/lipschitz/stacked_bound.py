@@ -29,6 +29,7 @@ from torch import nn
 from ..models import vit_tokens
 from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound, unit_divisor
 from ..nn.lipschitz_blocks import activation_lipschitz
+from ..nn.norms import row_norms
 from ..nn.token_mixing import TokenMixing
 from .transformer_bounds import NotALipschitzTransformer, _embedding, _parts, column_sum_bound, head_sigmas, pixel_bound
 
@@ -77,12 +78,6 @@ def _per_block(values: list[float], like: torch.Tensor) -> Scalar:
     if all(v == values[0] for v in values):
         return float(values[0])
     return torch.stack([like.new_full((), float(v)) for v in values])
-
-
-def row_norms(x: torch.Tensor) -> torch.Tensor:
-    """‖·‖₂ over the last dimension. (Written with keepdim: torch 2.11's fake tensors give vector_norm over a last
-    dimension of size 1, one head, the shape (…, 1), and a compiled graph then broadcasts it against (…,).)"""
-    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).squeeze(-1)
 
 
 def _norms(tensors: list[torch.Tensor | None], like: torch.Tensor, shape: tuple = ()) -> Scalar:

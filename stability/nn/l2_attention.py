@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.adapters import SplitQKV
+from .norms import row_norms
 
 
 def lambert_w0(x: float) -> float:
@@ -62,8 +63,7 @@ def l2_attention_bound(tokens: int, head_dim: int, w_q: torch.Tensor, w_v: torch
     """The ℓ2 Lipschitz bound of L2 multi-head attention on N = ``tokens`` tokens, from the spectral norms
     ‖W_Q^h‖ (H,), ‖W_V^h‖ (H,) and ‖W_O‖ (a scalar), as tensors (differentiable; their dtype); or of several blocks
     at once, (blocks, H) and (blocks,)."""
-    # a finite gradient at 0 too; keepdim: torch 2.11's fake tensors give a norm over one head the shape (…, 1)
-    spread = torch.linalg.vector_norm(w_q.pow(2) * w_v, dim=-1, keepdim=True).squeeze(-1)
+    spread = row_norms(w_q.pow(2) * w_v)  # a finite gradient at 0 too
     return math.sqrt(tokens) / math.sqrt(head_dim) * lambert_factor(tokens) * spread * w_o
 
 
