@@ -55,6 +55,11 @@ BATCH = 4
 CALL = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?([\w.]+)\(", re.M)
 KERNEL = re.compile(r"^(\w+) = async_compile\.", re.M)  # a kernel the module generates (C++, Triton, a template)
 NO_LAUNCH = ("aten.view", "aten.reshape", "aten.as_strided", "aten.permute", "aten.expand")
+# a library product that copies its input into the result first (gpu_model.hidden_copy): its first argument and β
+COPYING = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?extern_kernels\.(baddbmm|addmm|addmv)\("
+                     r"(reinterpret_tensor\(\w+, \(([^)]*)\)|\w+)(.*)$", re.M)
+SIZES = re.compile(r"(?:assert_size_stride\((\w+), |(\w+) = empty_strided_\w+\()\(([^)]*)\)")
+BETA = re.compile(r"\bbeta=([-+\w.]+)")
 
 
 # a C++ kernel and its code (a raw string since torch 2.11, a plain one before)
@@ -67,9 +72,25 @@ def loop_nests(code: str) -> int:
     return max(1, len(LOOP_NEST.findall(code)))
 
 
+def hidden_copies(body: str) -> int:
+    """The copies the ``call`` function's library products make inside themselves (a kernel each on a GPU, that no
+    statement shows; :func:`stability.testing.gpu_model.hidden_copy`): a ``baddbmm``, ``addmm`` or ``addmv`` with
+    β ≠ 0 (Inductor always passes ``out``, never the input), except an ``addmm`` whose input is a 1-D bias with β = 1
+    (cuBLASLt's epilogue; an input whose rank the code does not show is taken as such)."""
+    ranks = {a or b: len([d for d in sizes.split(",") if d.strip()]) for a, b, sizes in SIZES.findall(body)}
+    copies = 0
+    for name, first, reinterpreted, rest in COPYING.findall(body):
+        beta = BETA.search(rest)
+        beta = float(beta.group(1)) if beta else 1.0
+        rank = len([d for d in reinterpreted.split(",") if d.strip()]) if reinterpreted else ranks.get(first, 1)
+        copies += beta != 0 and not (name == "addmm" and beta == 1 and rank == 1)
+    return copies
+
+
 def wrapper_launches(source: str) -> np.ndarray:
     """The launches of the ``call`` function of one of Inductor's generated modules — its own kernels (whatever their
-    names), library calls (``extern_kernels.*``) and the ATen operators it falls back to — counted two ways:
+    names), library calls (``extern_kernels.*``, with the copies some make inside themselves: :func:`hidden_copies`)
+    and the ATen operators it falls back to — counted two ways:
     [a C++ kernel as its loop nests, as one]. On the CPU Inductor writes the nodes it cannot fuse, one after the
     other until a library call, as one C++ function with a loop nest each; on a GPU each would be a Triton kernel of
     its own (its horizontal "combo" kernels are off by default), so the functions undercount a GPU's kernels. The
@@ -88,7 +109,7 @@ def wrapper_launches(source: str) -> np.ndarray:
         launch = int(library or (aten.startswith("aten.") and not aten.startswith(NO_LAUNCH)))
         return [launch, launch]
 
-    return np.array([launches(name) for name in CALL.findall(body)] or [[0, 0]]).sum(0)
+    return np.array([launches(name) for name in CALL.findall(body)] or [[0, 0]]).sum(0) + hidden_copies(body)
 
 
 @contextlib.contextmanager

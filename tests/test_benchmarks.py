@@ -173,6 +173,29 @@ def benchmark_compiled_module(times=10, repeat=10):
     assert list(wrapper_launches(kernels + source)) == [6, 5]  # the two-nest kernel: one C++ function
 
 
+def test_compiled_kernels_counts_the_copies_inside_library_products(benchmark_modules):
+    """A generated ``baddbmm``, ``addmm`` or ``addmv`` with β ≠ 0 copies its input first (a kernel of its own on a
+    GPU), except an ``addmm`` of a 1-D bias with β = 1 (cuBLASLt's epilogue); β = 0 copies nothing."""
+    from compiled_kernels import wrapper_launches
+
+    source = """
+def call(self, args):
+    arg0_1, arg1_1 = args
+    assert_size_stride(arg0_1, (3, 64, 96), (6144, 96, 1))
+    assert_size_stride(arg1_1, (64, ), (1, ))
+    buf0 = empty_strided_cuda((3, 64, 64), (4096, 64, 1), torch.float32)
+    extern_kernels.bmm(arg0_1, reinterpret_tensor(arg0_1, (3, 96, 64), (6144, 1, 96), 0), out=buf0)
+    extern_kernels.baddbmm(buf0, buf0, buf0, alpha=2.0315, beta=-4.775, out=buf1)
+    extern_kernels.baddbmm(arg0_1, buf1, arg0_1, alpha=1, out=buf2)
+    extern_kernels.baddbmm(buf0, buf0, buf0, alpha=1, beta=0, out=buf3)
+    extern_kernels.addmm(arg1_1, buf4, buf5, alpha=1, beta=1, out=buf6)
+    extern_kernels.addmm(reinterpret_tensor(buf0, (64, 64), (64, 1), 0), buf4, buf5, alpha=1, beta=1, out=buf7)
+    extern_kernels.addmm(arg1_1, buf4, buf5, alpha=1, beta=0.5, out=buf8)
+    return (buf2, )
+"""
+    assert list(wrapper_launches(source)) == [7 + 4, 7 + 4]  # the copies: two baddbmm, two addmm
+
+
 @needs_fake_gpu
 def test_a_compiled_power_iterations_kernels_do_not_grow_with_the_matrices_of_a_shape(benchmark_modules):
     """The block power iteration compiled: its matrices and bases are stacked, and the bases written back, outside

@@ -49,6 +49,44 @@ def test_the_fused_attention_is_counted_as_one_kernel_with_its_flops():
     assert counts.flops["fp32"] + counts.flops["tf32"] == pytest.approx(forward * 3.5)  # backward 2.5 × forward
 
 
+def _copies_the_profiler_sees(step) -> int:
+    """The ``aten::copy_`` that torch's profiler records inside a ``baddbmm`` (its meta function's copy, which every
+    device runs) during ``step()``."""
+    from torch.profiler import profile
+
+    with profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.cpu_parent is not None
+               and e.cpu_parent.name == "aten::baddbmm")
+
+
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
+def test_a_products_copy_of_its_input_is_counted_where_cuda_makes_it():
+    """A ``baddbmm`` or ``addmm`` with β ≠ 0 copies its input into the result inside itself, a kernel no dispatch
+    mode sees. baddbmm's copy is in its meta function, which the CPU runs too: the count equals what torch's profiler
+    sees, over a Newton–Schulz iteration. addmm's bias in cuBLASLt's epilogue (nn.Linear's) copies nothing on CUDA;
+    neither does β = 0 nor a product in place."""
+    from stability.nn import constraints
+
+    x = torch.randn(3, 8, 12, generator=torch.Generator().manual_seed(0))
+    x = x / torch.linalg.matrix_norm(x, keepdim=True)
+    step = lambda: constraints.newton_schulz(x, 2, 3)  # noqa: E731
+    counted = count(step)
+    assert counted.ops["baddbmm's copy"] == _copies_the_profiler_sees(step) == 2 * 2 + 3
+    assert counted.launches == sum(counted.ops.values())
+    a = torch.randn(3, 8, 8)
+    assert count(lambda: torch.baddbmm(a, a, a, beta=0)).launches == 1 == _copies_the_profiler_sees(
+        lambda: torch.baddbmm(a, a, a, beta=0)) + 1
+    assert count(lambda: a.clone().baddbmm_(a, a, beta=0.5)).ops == {"clone": 1, "baddbmm_": 1}
+    plain = count(lambda: torch.baddbmm(a, a, a, beta=0.5))
+    assert plain.bytes == 2 * a.numel() * 4 and plain.launches == 2  # the input read, the result written
+    m, bias = torch.randn(8, 8), torch.randn(8)
+    assert count(lambda: torch.nn.functional.linear(torch.randn(4, 5, 8), m, bias)).ops["addmm's copy"] == 0
+    assert count(lambda: torch.addmm(m, m, m)).ops["addmm's copy"] == 1  # a 2-D input: no epilogue
+    assert count(lambda: torch.addmm(bias, m, m, beta=0.5)).ops["addmm's copy"] == 1  # the epilogue adds β = 1 only
+    assert count(lambda: torch.addmm(bias, m[:1], m)).ops["addmm's copy"] == 1  # one row: cuBLASLt refuses it
+
+
 def test_depth_and_batch_extrapolate_exactly():
     """Counts made bilinear in depth and batch are recovered anywhere from the four corners."""
     def made(depth, batch):
