@@ -56,9 +56,11 @@ CALL = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?([\w.]+)\(", re.M)
 KERNEL = re.compile(r"^(\w+) = async_compile\.", re.M)  # a kernel the module generates (C++, Triton, a template)
 NO_LAUNCH = ("aten.view", "aten.reshape", "aten.as_strided", "aten.permute", "aten.expand")
 # a library product that copies its input into the result first (gpu_model.hidden_copy): its first argument and β
-COPYING = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?extern_kernels\.(baddbmm|addmm|addmv)\("
+COPYING = re.compile(r"^[ \t]*(?:[\w \t,()\[\]]+=[ \t]*)?extern_kernels\.(baddbmm|addmm|bias_addmm|addmv)\("
                      r"(reinterpret_tensor\(\w+, \(([^)]*)\)|\w+)(.*)$", re.M)
-SIZES = re.compile(r"(?:assert_size_stride\((\w+), |(\w+) = empty_strided_\w+\()\(([^)]*)\)")
+# a buffer's sizes where the code gives them: an input's assertion, an allocation, a reinterpretation
+SIZES = re.compile(r"(?:assert_size_stride\((\w+), |(\w+) = (?:empty_strided_\w+\(|reinterpret_tensor\(\w+, ))"
+                   r"\(([^)]*)\)")
 BETA = re.compile(r"\bbeta=([-+\w.]+)")
 
 
@@ -76,14 +78,16 @@ def hidden_copies(body: str) -> int:
     """The copies the ``call`` function's library products make inside themselves (a kernel each on a GPU, that no
     statement shows; :func:`stability.testing.gpu_model.hidden_copy`): a ``baddbmm``, ``addmm`` or ``addmv`` with
     β ≠ 0 (Inductor always passes ``out``, never the input), except an ``addmm`` whose input is a 1-D bias with β = 1
-    (cuBLASLt's epilogue; an input whose rank the code does not show is taken as such)."""
+    (cuBLASLt's epilogue; ``bias_addmm`` passes a 1-D bias). The ranks are read from the code's static sizes; an
+    input whose sizes it does not show is taken as a bias (the count is then a lower bound)."""
     ranks = {a or b: len([d for d in sizes.split(",") if d.strip()]) for a, b, sizes in SIZES.findall(body)}
     copies = 0
     for name, first, reinterpreted, rest in COPYING.findall(body):
         beta = BETA.search(rest)
         beta = float(beta.group(1)) if beta else 1.0
         rank = len([d for d in reinterpreted.split(",") if d.strip()]) if reinterpreted else ranks.get(first, 1)
-        copies += beta != 0 and not (name == "addmm" and beta == 1 and rank == 1)
+        rank = 1 if name == "bias_addmm" else rank
+        copies += beta != 0 and not (name in ("addmm", "bias_addmm") and beta == 1 and rank == 1)
     return copies
 
 

@@ -191,9 +191,18 @@ def call(self, args):
     extern_kernels.addmm(arg1_1, buf4, buf5, alpha=1, beta=1, out=buf6)
     extern_kernels.addmm(reinterpret_tensor(buf0, (64, 64), (64, 1), 0), buf4, buf5, alpha=1, beta=1, out=buf7)
     extern_kernels.addmm(arg1_1, buf4, buf5, alpha=1, beta=0.5, out=buf8)
+    buf9 = empty_strided_cuda((64, 64), (64, 1), torch.float32)
+    extern_kernels.addmm(buf9, buf4, buf5, alpha=1, beta=1, out=buf10)
+    buf11 = reinterpret_tensor(buf9, (64, 64), (0, 1), 0)
+    extern_kernels.addmm(buf11, buf4, buf5, alpha=1, beta=1, out=buf12)
+    extern_kernels.addmm(arg2_1, buf4, buf5, alpha=1, beta=1, out=buf13)
+    extern_kernels.bias_addmm(arg1_1, buf4, buf5, alpha=1, beta=1, out=buf14)
+    extern_kernels.bias_addmm(arg1_1, buf4, buf5, alpha=1, beta=0.5, out=buf15)
     return (buf2, )
 """
-    assert list(wrapper_launches(source)) == [7 + 4, 7 + 4]  # the copies: two baddbmm, two addmm
+    # the copies: two baddbmm; addmm of a 2-D input (reinterpreted, allocated, reinterpreted by name) or β ≠ 1;
+    # not of a 1-D or unknown input with β = 1 (arg2_1, whose sizes the code does not show, is taken as a bias)
+    assert list(wrapper_launches(source)) == [12 + 7, 12 + 7]  # twelve library calls
 
 
 @needs_fake_gpu

@@ -78,6 +78,9 @@ def test_a_products_copy_of_its_input_is_counted_where_cuda_makes_it():
     assert count(lambda: torch.baddbmm(a, a, a, beta=0)).launches == 1 == _copies_the_profiler_sees(
         lambda: torch.baddbmm(a, a, a, beta=0)) + 1
     assert count(lambda: a.clone().baddbmm_(a, a, beta=0.5)).ops == {"clone": 1, "baddbmm_": 1}
+    c = a.clone()
+    assert count(lambda: torch.baddbmm(c, a, a, beta=0.5, out=c)).ops["baddbmm's copy"] == 0  # out is the input
+    assert count(lambda: torch.baddbmm(c, a, a, beta=0.5, out=torch.empty_like(c))).ops["baddbmm's copy"] == 1
     plain = count(lambda: torch.baddbmm(a, a, a, beta=0.5))
     assert plain.bytes == 2 * a.numel() * 4 and plain.launches == 2  # the input read, the result written
     m, bias = torch.randn(8, 8), torch.randn(8)
@@ -85,6 +88,9 @@ def test_a_products_copy_of_its_input_is_counted_where_cuda_makes_it():
     assert count(lambda: torch.addmm(m, m, m)).ops["addmm's copy"] == 1  # a 2-D input: no epilogue
     assert count(lambda: torch.addmm(bias, m, m, beta=0.5)).ops["addmm's copy"] == 1  # the epilogue adds β = 1 only
     assert count(lambda: torch.addmm(bias, m[:1], m)).ops["addmm's copy"] == 1  # one row: cuBLASLt refuses it
+    assert count(lambda: torch.addmm(torch.randn(16)[::2], m, m)).ops["addmm's copy"] == 1  # a strided bias
+    assert count(lambda: torch.addmm(bias, m, m, out=torch.empty(8, 8).mT)).ops["addmm's copy"] == 1  # a strided result
+    assert count(lambda: torch.addmm(bias, m, m, out=torch.empty(8, 8))).ops["addmm's copy"] == 0
 
 
 def test_depth_and_batch_extrapolate_exactly():

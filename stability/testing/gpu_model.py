@@ -129,12 +129,14 @@ def _beta(kwargs: dict) -> complex:
     return complex(kwargs.get("beta", 1))
 
 
-def _bias_epilogue(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, beta: complex) -> bool:
+def _bias_epilogue(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, beta: complex,
+                   result: torch.Tensor) -> bool:
     """Whether CUDA's ``addmm`` adds ``bias`` in cuBLASLt's epilogue (no copy): β = 1, a contiguous 1-D bias as long
-    as the product's rows, a floating dtype, both matrices more than one row and column (ATen's
-    ``isInputCompliesAddmmCudaLt``, aten/src/ATen/native/cuda/Blas.cpp)."""
+    as the product's rows, a contiguous result, a floating dtype, both matrices more than one row and column (ATen's
+    ``isInputCompliesAddmmCudaLt``, aten/src/ATen/native/cuda/Blas.cpp, as of torch 2.11; older versions asked more
+    than one row and column of mat2 only)."""
     return (beta == 1 and bias.dim() == 1 and bias.shape[0] == mat2.shape[1] and bias.is_contiguous()
-            and mat1.dtype in LT_DTYPES and min(*mat1.shape, *mat2.shape) > 1)
+            and result.is_contiguous() and mat1.dtype in LT_DTYPES and min(*mat1.shape, *mat2.shape) > 1)
 
 
 def hidden_copy(func, args: tuple, kwargs: dict, out: Any) -> int:
@@ -148,7 +150,7 @@ def hidden_copy(func, args: tuple, kwargs: dict, out: Any) -> int:
         return 0
     self, result = args[0], kwargs.get("out", out)
     beta = _beta(kwargs)
-    if beta == 0 or result is self or (name == "addmm" and _bias_epilogue(self, args[1], args[2], beta)):
+    if beta == 0 or result is self or (name == "addmm" and _bias_epilogue(self, args[1], args[2], beta, result)):
         return 0
     return _bytes(self) + _bytes(result)
 
