@@ -19,7 +19,8 @@ operators by their own device time.
 
 ``--count`` times nothing: it counts each row's step on the GPU's code path on the CPU (launches, the bytes of the
 non-matrix operators, matrix FLOPs by precision) and predicts its GPU time with the model fitted to a measured GPU
-table (stability/testing/gpu_model.py; default: the H200's, results/benchmarks/step_cost_cuda_h200.md).
+table (stability/testing/gpu_model.py; default: the H200's, results/benchmarks/step_cost_cuda_h200.md), or to
+several (``--fit_also COUNTS_JSON=TABLE``: each further table with the counts of the code it measured).
 "spectral_norm project, at the cap" starts from weights with σ₁ = σ_max (every weight is scaled every step:
 the steady state of a run whose weights reached the cap); the plain row starts from the initialisation.
 Its exact check (every ``check_every`` = 100 steps) is timed on its own and shown amortised per step.
@@ -54,6 +55,7 @@ from stability.nn.precision import allow_tf32_training
 from stability.testing.gpu_model import (
     FORMS,
     NOMINAL_H200,
+    PEAK_H200,
     PRECISIONS,
     StepCounts,
     count,
@@ -347,27 +349,45 @@ def measured_table(path: Path) -> dict[str, float]:
 
 
 def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[str, float],
-               as_measured: dict[str, StepCounts] | None = None) -> tuple[list, str]:
+               as_measured: dict[str, StepCounts] | None = None,
+               also: list[tuple[str, dict[str, StepCounts], dict[str, float]]] = ()) -> tuple[list, str]:
     """The table of counts, measured and predicted times and ratios, and a paragraph on the fit. The model is fitted
-    to ``as_measured`` (the counts of the code the GPU table measured) where given, else to ``counts``."""
+    to ``as_measured`` (the counts of the code the GPU table measured) where given, else to ``counts``; and to the
+    rows of each further GPU table in ``also`` (its name, the counts of the code it measured, its times), a
+    stabilizer's rows of every table left out together in the leave-one-out error."""
     rows_of_fit = labels if as_measured is None else list(as_measured)  # every row the GPU table has counts for
     as_measured = as_measured or counts
     fitted = [label for label in rows_of_fit if label in measured and label not in NOT_MODELLED]
     data = [as_measured[label] for label in fitted]
     seconds = [measured[label] / 1000 for label in fitted]
+    names, groups = list(fitted), list(fitted)
+    for name, more_counts, more_measured in also:
+        for label in more_counts:
+            if label in more_measured and label not in NOT_MODELLED:
+                data.append(more_counts[label])
+                seconds.append(more_measured[label] / 1000)
+                names.append(f"{label} ({name})")
+                groups.append(label)
     # a precision's throughput is fitted only where its FLOPs differ between rows by ≥ 5% of a step's: otherwise the
-    # table cannot tell it from the constant part of every step, and it stays at the data sheet's value × 0.6
+    # table cannot tell it from the constant part of every step, and it stays at the data sheet's value × 0.6; so
+    # does one that the fit drives to the data sheet's peak (the rows would have it faster: they do not determine it)
     total = sum(c.total_flops() for c in data) / len(data)
     used = [p for p in PRECISIONS if max(c.flops.get(p, 0.0) for c in data) - min(c.flops.get(p, 0.0) for c in data)
             >= 0.05 * total]
-    fixed = {f"{p}_flops_per_s": NOMINAL_H200[p] for p in PRECISIONS if p not in used}
     results = {}
     for form in FORMS:
-        model = fit(data, seconds, form, fixed)
-        errors = dict(zip(fitted, leave_one_out(data, seconds, form, fixed)))
-        results[form] = (model, errors)
-    form = min(FORMS, key=lambda f: sorted(abs(e) for e in results[f][1].values())[len(fitted) // 2])
-    model, errors = results[form]
+        fitted_here = list(used)
+        while True:
+            fixed = {f"{p}_flops_per_s": NOMINAL_H200[p] for p in PRECISIONS if p not in fitted_here}
+            model = fit(data, seconds, form, fixed, PEAK_H200)
+            at_peak = [p for p in fitted_here if model.flops_per_s[p] >= 0.999 * PEAK_H200[f"{p}_flops_per_s"]]
+            if not at_peak:
+                break
+            fitted_here = [p for p in fitted_here if p not in at_peak]
+        errors = dict(zip(names, leave_one_out(data, seconds, form, fixed, groups, PEAK_H200)))
+        results[form] = (model, errors, fitted_here, fixed)
+    form = min(FORMS, key=lambda f: sorted(abs(e) for e in results[f][1].values())[len(names) // 2])
+    model, errors, used, fixed = results[form]
     reference = {case.label: case.reference for case in CASES}
     rows = []
     for label in labels:
@@ -388,16 +408,24 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
     median = sorted(abs(e) for e in errors.values())[len(errors) // 2]
     worst = max(errors, key=lambda k: abs(errors[k]))
     other = [f for f in FORMS if f != form][0]
-    other_median = sorted(abs(e) for e in results[other][1].values())[len(fitted) // 2]
+    other_median = sorted(abs(e) for e in results[other][1].values())[len(names) // 2]
     text = (f"Model: `{form}` (host {constants['launch_s'] * 1e6:.1f} µs per launch; device "
             + (f"{constants['kernel_s'] * 1e6:.1f} µs per kernel, " if form == "overlap" else "") +
-            f"{constants['bytes_per_s'] / 1e12:.2f} TB/s for the non-matrix operators, "
-            + ", ".join(f"{p} {constants[f'{p}_flops_per_s'] / 1e12:.0f} TFLOP/s" for p in used)
+            f"{constants['bytes_per_s'] / 1e12:.2f} TB/s for the non-matrix operators"
+            + "".join(f", {p} {constants[f'{p}_flops_per_s'] / 1e12:.0f} TFLOP/s" for p in used)
             + (f"; {', '.join(f'{p} fixed at {NOMINAL_H200[p] / 1e12:.0f}' for p in PRECISIONS if p not in used)} "
                f"(0.6 × the H200's dense peak: the table does not determine it)" if fixed else "")
-            + f"), fitted to {len(fitted)} rows of the H200 table by relative least squares. Leave-one-out error "
-            f"(each row predicted by the model fitted to the others): median {100 * median:.0f}%, worst "
+            + f"), fitted to {len(names)} rows of "
+            + (f"the H200 tables ({len(fitted)} of the first, "
+               + ", ".join(f"{sum(n.endswith(f'({name})') for n in names)} of {name}" for name, _, _ in also) + ")"
+               if also else "the H200 table")
+            + " by relative least squares. Leave-one-out error (each row predicted by the model fitted to the "
+            f"{'other stabilizers' if also else 'others'}): median {100 * median:.0f}%, worst "
             f"{100 * errors[worst]:+.0f}% ({worst}); the `{other}` form's median is {100 * other_median:.0f}%.")
+    for name, _, _ in also:
+        theirs = {n[:-len(f" ({name})")]: e for n, e in errors.items() if n.endswith(f"({name})")}
+        text += (f" The rows of {name}: " + ", ".join(f"{label} {100 * e:+.0f}%" for label, e in theirs.items())
+                 + f" (median {100 * sorted(abs(e) for e in theirs.values())[len(theirs) // 2]:.0f}%).")
     return rows, text
 
 
@@ -429,7 +457,13 @@ def count_main(args, precision: str) -> None:
     if args.fit_counts:
         kept = json.loads(Path(args.fit_counts).read_text())["counts"]
         as_measured = {label: StepCounts.from_dict(value) for label, value in kept.items()}
-    rows, text = model_rows([c.label for c in cases], counts, measured, as_measured)
+    also = []
+    for pair in filter(None, (args.fit_also or "").split(";")):
+        counts_path, _, table = pair.partition("=")
+        kept = json.loads(Path(counts_path).read_text())["counts"]
+        also.append((Path(table).name, {label: StepCounts.from_dict(value) for label, value in kept.items()},
+                     measured_table(Path(table))))
+    rows, text = model_rows([c.label for c in cases], counts, measured, as_measured, also)
     header = ["stabilizer", "launches", "GB (non-matrix ops)", "bf16 TFLOP", "tf32 TFLOP", "fp32 TFLOP",
               "H200 ms", "predicted ms", "H200 ratio", "predicted ratio", "leave-one-out error"]
     body = (f"{backbone}:{size}, {tokens} tokens, batch {args.batch}, {precision}: one training step counted on "
@@ -462,6 +496,8 @@ def main() -> None:
     p.add_argument("--profile", default="", help="rows (labels separated by ';') whose step is also profiled: its "
                                                  "operators by their own device time (host time on the CPU)")
     p.add_argument("--recount", action="store_true", help="--count: count again the rows kept in <out>.json")
+    p.add_argument("--fit_also", default=None, help="--count: ';'-separated COUNTS_JSON=TABLE pairs, more GPU tables "
+                                                    "to fit the model to, each with the counts of the code it measured")
     p.add_argument("--fit_counts", default=None, help="--count: fit the model to these counts (a <out>.json of the "
                                                       "code the GPU table measured) and predict the current code's")
     args = p.parse_args()

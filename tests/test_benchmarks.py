@@ -103,7 +103,9 @@ def test_measurement_cost_counts_the_launches_batching_saves(tmp_path):
     for name in pointwise:
         one, batched = float(rows[name][1]), float(rows[name][3])
         assert batched > 0 and float(rows[name][5]) == pytest.approx(one / batched, rel=0.05), name
-        assert 3.0 <= float(rows[name][5]) <= 4.0, name  # at most the batch's size
+        # at most the batch's size, but for the copy a product of one row makes on a GPU (cuBLASLt adds a bias in
+        # its epilogue only for two rows or more: the head's Linear at batch 1 copies its bias, at batch 4 not)
+        assert 3.0 <= float(rows[name][5]) <= 4.2, name
     one_pass, exact = rows["local Lipschitz, exact in one pass (10 copies a point)"], rows[
         "local Lipschitz, exact (one VJP per logit)"]
     assert float(one_pass[3]) < float(exact[3]) / 2  # one backward pass where the exact norm makes ten

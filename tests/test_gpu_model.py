@@ -145,3 +145,32 @@ def test_the_wrong_form_leaves_errors_the_right_one_does_not():
     seconds = [truth.seconds(c) for c in counts]
     wrong = fit(counts, seconds, "additive", fixed={"tf32_flops_per_s": 1.5e14})
     assert max(abs(wrong.seconds(c) / s - 1) for c, s in zip(counts, seconds)) > 1e-3
+
+
+def test_a_stabilizer_measured_twice_is_left_out_whole():
+    """Rows measured in two GPU runs: grouped by stabilizer, each row's leave-one-out error is that of the data
+    without twins (its twin, left in, would predict it: the ungrouped error is far smaller)."""
+    truth = GpuModel(2e-5, 3e12, {"bf16": 3e14, "tf32": 1.5e14, "fp32": 4e13}, "additive")
+    counts = synthetic(truth, seed=2)
+    rng = np.random.default_rng(3)
+    seconds = [truth.seconds(c) * float(rng.uniform(0.8, 1.25)) for c in counts]  # the model misses every row
+    fixed = {"tf32_flops_per_s": 1.5e14, "kernel_s": 1e-12}
+    alone = leave_one_out(counts, seconds, "additive", fixed)
+    twice = leave_one_out(counts * 2, seconds * 2, "additive", fixed, groups=list(range(len(counts))) * 2)
+    np.testing.assert_allclose(twice, alone * 2, rtol=1e-4, atol=1e-4)
+    ungrouped = leave_one_out(counts * 2, seconds * 2, "additive", fixed)
+    assert np.median(np.abs(ungrouped)) < 0.8 * np.median(np.abs(alone))
+
+
+def test_a_fitted_rate_stays_under_its_ceiling():
+    """Data made with float32 products faster than the data sheet allows: unbounded, the fit recovers that rate;
+    with the data sheet's peak as its ceiling, it stops there (and the rows are then fitted less well)."""
+    truth = GpuModel(2e-5, 3e12, {"bf16": 3e14, "tf32": 1.5e14, "fp32": 2e14}, "additive")
+    counts = synthetic(truth, seed=4)
+    seconds = [truth.seconds(c) for c in counts]
+    fixed = {"tf32_flops_per_s": 1.5e14, "kernel_s": 1e-12}
+    free = fit(counts, seconds, "additive", fixed)
+    assert free.flops_per_s["fp32"] == pytest.approx(2e14, rel=1e-3)
+    capped = fit(counts, seconds, "additive", fixed, ceilings={"fp32_flops_per_s": 1e14})
+    assert capped.flops_per_s["fp32"] == pytest.approx(1e14, rel=1e-6)
+    assert max(abs(capped.seconds(c) / s - 1) for c, s in zip(counts, seconds)) > 1e-3

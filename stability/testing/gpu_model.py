@@ -283,9 +283,12 @@ class GpuModel:
                    form, float(values[1]))
 
 
-# the H200's dense matrix throughput (NVIDIA's data sheet: bf16 989, TF32 495, FP32 67 TFLOP/s) × 0.6, what a
-# well-shaped GEMM reaches: the value a fit keeps where its table cannot determine a precision's throughput
-NOMINAL_H200 = {"bf16": 0.6 * 989e12, "tf32": 0.6 * 495e12, "fp32": 0.6 * 67e12}
+# the H200's dense matrix throughput and memory bandwidth (NVIDIA's data sheet: bf16 989, TF32 495, FP32 67
+# TFLOP/s; HBM3e 4.8 TB/s): the most a fit may make of them
+PEAK_H200 = {"bf16_flops_per_s": 989e12, "tf32_flops_per_s": 495e12, "fp32_flops_per_s": 67e12, "bytes_per_s": 4.8e12}
+# × 0.6, what a well-shaped GEMM reaches: the value a fit keeps where its table cannot determine a precision's
+# throughput
+NOMINAL_H200 = {p: 0.6 * PEAK_H200[f"{p}_flops_per_s"] for p in PRECISIONS}
 # where the fit starts: an eager PyTorch launch ≈ 10 µs of host time, an H100/H200's HBM ≈ 3 TB/s in practice, its
 # dense bf16 ≈ 400 TFLOP/s, TF32 ≈ 200, IEEE float32 ≈ 50 (achieved, well under the data sheets' peaks)
 START = np.log([1e-5, 3e-6, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
@@ -301,9 +304,10 @@ FITTED = {"h200": GpuModel(launch_s=2.175e-5, bytes_per_s=1.597e12,
 
 
 def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
-        fixed: dict[str, float] | None = None) -> GpuModel:
+        fixed: dict[str, float] | None = None, ceilings: dict[str, float] | None = None) -> GpuModel:
     """The constants that minimise the relative error of the predicted step times (least squares in log space over
-    the constants; ``fixed`` holds constants the data cannot determine, by name, at their given value)."""
+    the constants; ``fixed`` holds constants the data cannot determine, by name, at their given value; ``ceilings``
+    the most a rate can be, by name: a data sheet's peak, which a fit must not exceed to explain a row)."""
     from scipy.optimize import least_squares
 
     if form not in FORMS:
@@ -327,20 +331,29 @@ def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
         model = GpuModel.of(full(x), form)
         return np.array([model.seconds(c) for c in counts]) / measured - 1.0
 
-    result = least_squares(residuals, START[free], method="trf", x_scale=1.0, max_nfev=20000)
+    # a rate r is held as log(1/r): at most its ceiling means at least log(1/ceiling)
+    lower = np.array([math.log(1 / ceilings[names[i]]) if names[i] in (ceilings or {}) else -np.inf for i in free])
+    start = np.maximum(START[free], lower + 1e-9)
+    result = least_squares(residuals, start, method="trf", x_scale=1.0, max_nfev=20000, bounds=(lower, np.inf))
     return GpuModel.of(full(result.x), form)
 
 
 def leave_one_out(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
-                  fixed: dict[str, float] | None = None) -> list[float]:
-    """For each row, the relative error of its prediction by the model fitted to the other rows."""
+                  fixed: dict[str, float] | None = None, groups: list | None = None,
+                  ceilings: dict[str, float] | None = None) -> list[float]:
+    """For each row, the relative error of its prediction by the model fitted to the other rows; with ``groups``
+    (a key per row), to the rows of the other groups: one stabilizer measured in two GPU runs is left out whole, so
+    that its twin does not predict it."""
+    groups = list(range(len(counts))) if groups is None else list(groups)
+    models: dict = {}
     errors = []
-    for i in range(len(counts)):
-        rest = [j for j in range(len(counts)) if j != i]
-        model = fit([counts[j] for j in rest], [seconds[j] for j in rest], form, fixed)
-        errors.append(model.seconds(counts[i]) / seconds[i] - 1.0)
+    for i, group in enumerate(groups):
+        if group not in models:
+            rest = [j for j in range(len(counts)) if groups[j] != group]
+            models[group] = fit([counts[j] for j in rest], [seconds[j] for j in rest], form, fixed, ceilings)
+        errors.append(models[group].seconds(counts[i]) / seconds[i] - 1.0)
     return errors
 
 
-__all__ = ["CONSTANTS", "FITTED", "FORMS", "NOMINAL_H200", "GpuModel", "KernelCounter", "StepCounts", "count",
-           "cuda_path", "extrapolate", "fit", "leave_one_out", "matmul_precision", "matrix_flops"]
+__all__ = ["CONSTANTS", "FITTED", "FORMS", "NOMINAL_H200", "PEAK_H200", "GpuModel", "KernelCounter", "StepCounts",
+           "count", "cuda_path", "extrapolate", "fit", "leave_one_out", "matmul_precision", "matrix_flops"]
