@@ -376,18 +376,19 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
             >= 0.05 * total]
     results = {}
     for form in FORMS:
-        fitted_here = list(used)
-        while True:
+        fitted_here, held = list(used), []
+        while True:  # one rate held at a time: the others, refitted, may come off their peaks
             fixed = {f"{p}_flops_per_s": NOMINAL_H200[p] for p in PRECISIONS if p not in fitted_here}
             model = fit(data, seconds, form, fixed, PEAK_H200)
             at_peak = [p for p in fitted_here if model.flops_per_s[p] >= 0.999 * PEAK_H200[f"{p}_flops_per_s"]]
             if not at_peak:
                 break
-            fitted_here = [p for p in fitted_here if p not in at_peak]
+            fitted_here.remove(at_peak[0])
+            held.append(at_peak[0])
         errors = dict(zip(names, leave_one_out(data, seconds, form, fixed, groups, PEAK_H200)))
-        results[form] = (model, errors, fitted_here, fixed)
+        results[form] = (model, errors, fitted_here, fixed, held)
     form = min(FORMS, key=lambda f: sorted(abs(e) for e in results[f][1].values())[len(names) // 2])
-    model, errors, used, fixed = results[form]
+    model, errors, used, fixed, held = results[form]
     reference = {case.label: case.reference for case in CASES}
     rows = []
     for label in labels:
@@ -414,7 +415,8 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
             f"{constants['bytes_per_s'] / 1e12:.2f} TB/s for the non-matrix operators"
             + "".join(f", {p} {constants[f'{p}_flops_per_s'] / 1e12:.0f} TFLOP/s" for p in used)
             + (f"; {', '.join(f'{p} fixed at {NOMINAL_H200[p] / 1e12:.0f}' for p in PRECISIONS if p not in used)} "
-               f"(0.6 × the H200's dense peak: the table does not determine it)" if fixed else "")
+               f"(0.6 × the H200's dense peak: the table does not determine it"
+               + "".join(f"; {p} held there, the fit drove it to the peak" for p in held) + ")" if fixed else "")
             + f"), fitted to {len(names)} rows of "
             + (f"the H200 tables ({len(fitted)} of the first, "
                + ", ".join(f"{sum(n.endswith(f'({name})') for n in names)} of {name}" for name, _, _ in also) + ")"

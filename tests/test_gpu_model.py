@@ -172,5 +172,14 @@ def test_a_fitted_rate_stays_under_its_ceiling():
     free = fit(counts, seconds, "additive", fixed)
     assert free.flops_per_s["fp32"] == pytest.approx(2e14, rel=1e-3)
     capped = fit(counts, seconds, "additive", fixed, ceilings={"fp32_flops_per_s": 1e14})
-    assert capped.flops_per_s["fp32"] == pytest.approx(1e14, rel=1e-6)
-    assert max(abs(capped.seconds(c) / s - 1) for c, s in zip(counts, seconds)) > 1e-3
+    assert capped.flops_per_s["fp32"] == pytest.approx(1e14, rel=1e-5)
+
+    def worst(model):
+        return max(abs(model.seconds(c) / s - 1) for c, s in zip(counts, seconds))
+
+    clipped = GpuModel(free.launch_s, free.bytes_per_s, {**free.flops_per_s, "fp32": 1e14}, "additive", free.kernel_s)
+    assert 1e-3 < worst(capped) < 0.5 * worst(clipped)  # the other constants refitted under the ceiling
+    low = fit(counts, seconds, "additive", fixed, ceilings={"fp32_flops_per_s": 3e13})  # below where the fit starts
+    assert low.flops_per_s["fp32"] == pytest.approx(3e13, rel=1e-5)
+    with pytest.raises(ValueError, match="a ceiling bounds a rate"):
+        fit(counts, seconds, "additive", fixed, ceilings={"launch_s": 1e-5})

@@ -313,6 +313,10 @@ def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     fixed = dict(fixed or {})
+    wrong = [name for name in ceilings or {} if name not in CONSTANTS or name in TIMES]
+    if wrong:
+        raise ValueError(f"ceilings {wrong}: a ceiling bounds a rate, one of "
+                         f"{[n for n in CONSTANTS if n not in TIMES]}")
     if form == "additive":
         fixed["kernel_s"] = 1e-12  # one time per launch: launch_s carries it
     names = list(CONSTANTS)
