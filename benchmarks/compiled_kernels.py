@@ -80,14 +80,17 @@ def hidden_copies(body: str) -> int:
     β ≠ 0 (Inductor always passes ``out``, never the input), except an ``addmm`` whose input is a 1-D bias with β = 1
     (cuBLASLt's epilogue; ``bias_addmm`` passes a 1-D bias). The ranks are read from the code's static sizes; an
     input whose sizes it does not show is taken as a bias (the count is then a lower bound)."""
-    ranks = {a or b: len([d for d in sizes.split(",") if d.strip()]) for a, b, sizes in SIZES.findall(body)}
+    def rank(sizes: str) -> int:  # of a sizes tuple as the code writes it, "64, 64" or "64, "
+        return len([d for d in sizes.split(",") if d.strip()])
+
+    ranks = {a or b: rank(sizes) for a, b, sizes in SIZES.findall(body)}
     copies = 0
     for name, first, reinterpreted, rest in COPYING.findall(body):
         beta = BETA.search(rest)
         beta = float(beta.group(1)) if beta else 1.0
-        rank = len([d for d in reinterpreted.split(",") if d.strip()]) if reinterpreted else ranks.get(first, 1)
-        rank = 1 if name == "bias_addmm" else rank
-        copies += beta != 0 and not (name in ("addmm", "bias_addmm") and beta == 1 and rank == 1)
+        rank_of_input = rank(reinterpreted) if reinterpreted else ranks.get(first, 1)
+        rank_of_input = 1 if name == "bias_addmm" else rank_of_input
+        copies += beta != 0 and not (name in ("addmm", "bias_addmm") and beta == 1 and rank_of_input == 1)
     return copies
 
 

@@ -360,7 +360,7 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
     fitted = [label for label in rows_of_fit if label in measured and label not in NOT_MODELLED]
     data = [as_measured[label] for label in fitted]
     seconds = [measured[label] / 1000 for label in fitted]
-    names, groups = list(fitted), list(fitted)
+    names, groups, tables = list(fitted), list(fitted), [None] * len(fitted)  # tables: None for the first
     for name, more_counts, more_measured in also:
         for label in more_counts:
             if label in more_measured and label not in NOT_MODELLED:
@@ -368,6 +368,7 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
                 seconds.append(more_measured[label] / 1000)
                 names.append(f"{label} ({name})")
                 groups.append(label)
+                tables.append(name)
     # a precision's throughput is fitted only where its FLOPs differ between rows by ≥ 5% of a step's: otherwise the
     # table cannot tell it from the constant part of every step, and it stays at the data sheet's value × 0.6; so
     # does one that the fit drives to the data sheet's peak (the rows would have it faster: they do not determine it)
@@ -419,16 +420,35 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
                + "".join(f"; {p} held there, the fit drove it to the peak" for p in held) + ")" if fixed else "")
             + f"), fitted to {len(names)} rows of "
             + (f"the H200 tables ({len(fitted)} of the first, "
-               + ", ".join(f"{sum(n.endswith(f'({name})') for n in names)} of {name}" for name, _, _ in also) + ")"
+               + ", ".join(f"{tables.count(name)} of {name}" for name, _, _ in also) + ")"
                if also else "the H200 table")
             + " by relative least squares. Leave-one-out error (each row predicted by the model fitted to the "
             f"{'other stabilizers' if also else 'others'}): median {100 * median:.0f}%, worst "
             f"{100 * errors[worst]:+.0f}% ({worst}); the `{other}` form's median is {100 * other_median:.0f}%.")
     for name, _, _ in also:
-        theirs = {n[:-len(f" ({name})")]: e for n, e in errors.items() if n.endswith(f"({name})")}
+        theirs = {label: errors[n] for n, label, table in zip(names, groups, tables) if table == name}
         text += (f" The rows of {name}: " + ", ".join(f"{label} {100 * e:+.0f}%" for label, e in theirs.items())
                  + f" (median {100 * sorted(abs(e) for e in theirs.values())[len(theirs) // 2]:.0f}%).")
     return rows, text
+
+
+def kept_counts(path: Path) -> dict[str, StepCounts]:
+    """The counts ``--count`` kept in ``path`` (an <out>.json), by row label."""
+    return {label: StepCounts.from_dict(value) for label, value in json.loads(path.read_text())["counts"].items()}
+
+
+def fit_also_pairs(option: str | None) -> list[tuple[str, str]]:
+    """``--fit_also``'s (COUNTS_JSON, TABLE) pairs, each file checked to exist."""
+    pairs = []
+    for pair in filter(None, (option or "").split(";")):
+        counts_path, sign, table = pair.partition("=")
+        if not sign or not counts_path or not table:
+            raise SystemExit(f"--fit_also {pair!r}: expected COUNTS_JSON=TABLE (pairs separated by ';')")
+        missing = [path for path in (counts_path, table) if not Path(path).is_file()]
+        if missing:
+            raise SystemExit(f"--fit_also {pair!r}: no such file {', '.join(missing)}")
+        pairs.append((counts_path, table))
+    return pairs
 
 
 def count_main(args, precision: str) -> None:
@@ -457,14 +477,9 @@ def count_main(args, precision: str) -> None:
     measured = measured_table(Path(args.measured))
     as_measured = None
     if args.fit_counts:
-        kept = json.loads(Path(args.fit_counts).read_text())["counts"]
-        as_measured = {label: StepCounts.from_dict(value) for label, value in kept.items()}
-    also = []
-    for pair in filter(None, (args.fit_also or "").split(";")):
-        counts_path, _, table = pair.partition("=")
-        kept = json.loads(Path(counts_path).read_text())["counts"]
-        also.append((Path(table).name, {label: StepCounts.from_dict(value) for label, value in kept.items()},
-                     measured_table(Path(table))))
+        as_measured = kept_counts(Path(args.fit_counts))
+    also = [(Path(table).name, kept_counts(Path(counts_path)), measured_table(Path(table)))
+            for counts_path, table in fit_also_pairs(args.fit_also)]
     rows, text = model_rows([c.label for c in cases], counts, measured, as_measured, also)
     header = ["stabilizer", "launches", "GB (non-matrix ops)", "bf16 TFLOP", "tf32 TFLOP", "fp32 TFLOP",
               "H200 ms", "predicted ms", "H200 ratio", "predicted ratio", "leave-one-out error"]

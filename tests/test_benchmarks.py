@@ -175,6 +175,19 @@ def benchmark_compiled_module(times=10, repeat=10):
     assert list(wrapper_launches(kernels + source)) == [6, 5]  # the two-nest kernel: one C++ function
 
 
+def test_fit_also_names_a_malformed_pair_or_a_missing_file(benchmark_modules, tmp_path):
+    from step_cost import fit_also_pairs
+
+    counts, table = tmp_path / "counts.json", tmp_path / "table.md"
+    counts.write_text("{}")
+    table.write_text("")
+    assert fit_also_pairs(f"{counts}={table}") == [(str(counts), str(table))]
+    with pytest.raises(SystemExit, match="expected COUNTS_JSON=TABLE"):
+        fit_also_pairs(str(counts))
+    with pytest.raises(SystemExit, match="no such file .*missing.md"):
+        fit_also_pairs(f"{counts}={tmp_path / 'missing.md'}")
+
+
 def test_compiled_kernels_counts_the_copies_inside_library_products(benchmark_modules):
     """A generated ``baddbmm``, ``addmm`` or ``addmv`` with β ≠ 0 copies its input first (a kernel of its own on a
     GPU), except an ``addmm`` of a 1-D bias with β = 1 (cuBLASLt's epilogue); β = 0 copies nothing."""

@@ -125,10 +125,6 @@ class StepCounts:
 LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _beta(kwargs: dict) -> complex:
-    return complex(kwargs.get("beta", 1))
-
-
 def _bias_epilogue(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, beta: complex,
                    result: torch.Tensor) -> bool:
     """Whether CUDA's ``addmm`` adds ``bias`` in cuBLASLt's epilogue (no copy): β = 1, a contiguous 1-D bias as long
@@ -149,10 +145,10 @@ def hidden_copy(func, args: tuple, kwargs: dict, out: Any) -> int:
     if name not in ("baddbmm", "addmm", "addmv") or overload not in ("default", "out"):
         return 0
     self, result = args[0], kwargs.get("out", out)
-    beta = _beta(kwargs)
+    beta = complex(kwargs.get("beta", 1))
     if beta == 0 or result is self or (name == "addmm" and _bias_epilogue(self, args[1], args[2], beta, result)):
         return 0
-    return _bytes(self) + _bytes(result)
+    return _bytes(self, result)
 
 
 class KernelCounter(TorchDispatchMode):
