@@ -51,14 +51,19 @@ def setup(args: argparse.Namespace) -> torch.device:
 
 def build_module(backbone: str, size: str, stabilizer: str, options: dict | None = None, *, image_size: int,
                  device: torch.device, backbone_options: dict | None = None, lr: float = 1e-3,
-                 seed: int = 0, in_chans: int = 3,
-                 compile: bool = False) -> tuple[ImageClassifier, torch.optim.Optimizer]:
+                 seed: int = 0, in_chans: int = 3, compile: bool = False,
+                 stabilizer_options: dict[str, dict] | None = None) -> tuple[ImageClassifier, torch.optim.Optimizer]:
     """The module and optimizer a ``stability fit`` with these settings trains (10 classes), on
-    ``device``, seeded (``compile``: as ``--model.compile true``)."""
+    ``device``, seeded (``compile``: as ``--model.compile true``). ``options`` are the first stabilizer's;
+    ``stabilizer_options`` any stabilizer's by name (a composition's muon, say)."""
     torch.manual_seed(seed)
     names = stabilizer.split(",")
+    unknown = sorted(set(stabilizer_options or {}) - set(names))
+    if unknown:
+        raise ValueError(f"stabilizer_options for {unknown}, which are not in {names}")
+    by_name = {**({names[0]: options} if options else {}), **(stabilizer_options or {})}
     module = ImageClassifier(backbone=backbone, size=size, backbone_options=backbone_options or {},
-                             stabilizer=names, stabilizer_options={names[0]: options} if options else None,
+                             stabilizer=names, stabilizer_options=by_name or None,
                              num_classes=10, in_chans=in_chans, image_size=image_size, mean=[0.5] * in_chans,
                              std=[0.25] * in_chans,
                              lr=lr, compile=compile)

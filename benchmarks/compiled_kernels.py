@@ -150,7 +150,8 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
     for compile in (False, True):
         try:
             module, _ = build_module("vit", size, case.stabilizer, case.options, image_size=image_size,
-                                     device=torch.device("cpu"), backbone_options=backbone_options, compile=compile)
+                                     device=torch.device("cpu"), backbone_options=backbone_options, compile=compile,
+                                     stabilizer_options=case.stabilizer_options)
         except ValueError as refusal:
             if compile and "cannot train compiled" in str(refusal):
                 return {**result, "compiled": None}

@@ -549,6 +549,35 @@ def test_step_cost_cases_bring_the_rows_their_ratios_need():
     assert selected(CASES, ()) == CASES
 
 
+def test_every_step_cost_row_trains_the_constraint_its_label_names():
+    """A label that names a weight constraint builds it; the Lipschitz transformer's rows cap every matrix as its
+    configs do (muon's own defaults, the soft cap on the hidden matrices, once stood under a "hard_cap" label)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import build_module
+    from step_cost import CASES
+
+    from stability.stabilizers.muon import CONSTRAINTS, MuonConstrained
+
+    checked = 0
+    for case in CASES:
+        if "muon" not in case.stabilizer.split(","):
+            continue
+        named = [c for c in CONSTRAINTS if c != "none" and c in case.label.replace(" ", "_")]
+        module, _ = build_module("vit", "micro", case.stabilizer, case.options, image_size=8, in_chans=1,
+                                 device=torch.device("cpu"), backbone_options={"patch_size": 4},
+                                 stabilizer_options=case.stabilizer_options)
+        muon = next(s for s in module.stabilizers if isinstance(s, MuonConstrained))
+        expected = "none" if "no constraint" in case.label else named[0] if named else "hard_cap"
+        assert muon.constraint == expected, case.label
+        if "lipschitz_transformer" in case.label:
+            assert muon.layers == "all", case.label
+        checked += 1
+    assert checked >= 8
+    with pytest.raises(ValueError, match=r"\['gloro'\].*not in \['none'\]"):
+        build_module("vit", "micro", "none", image_size=8, in_chans=1, device=torch.device("cpu"),
+                     stabilizer_options={"gloro": {}})
+
+
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, "lightning"])
 def test_loop_overhead_cut_at_its_limit_writes_the_loops_it_timed(benchmark_modules, monkeypatch, tmp_path, interrupt):
     """Cut while the captured loop is timed (a KeyboardInterrupt in a plain loop), or while the fit is timed (Lightning

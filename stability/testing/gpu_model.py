@@ -115,7 +115,7 @@ class StepCounts:
 
     def to_dict(self) -> dict:
         return {"launches": self.launches, "flops": self.flops, "bytes": self.bytes, "syncs": self.syncs,
-                "ops": dict(self.ops)}
+                "ops": dict(sorted(self.ops.items()))}  # sorted: a recount diffs by its changes only
 
     @classmethod
     def from_dict(cls, data: dict) -> StepCounts:
