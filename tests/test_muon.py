@@ -67,6 +67,46 @@ def test_newton_schulz_hard_cap_matches_the_svd_cap(shape, dtype):
             assert float(rms_singular_values(capped).max()) <= 1.0 + 5e-5, (name, bound)
 
 
+HARD_CAP_STACKS = [(3, 16, 16), (2, 32, 16), (2, 16, 32), (1, 10, 24), (12, 20)]  # tall and wide of one shape
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_hard_caps_batched_across_shapes_equal_each_alone(bounded, monkeypatch):
+    """The hard caps of several shapes with their iterations batched (a tall stack turned wide beside a wide one of
+    the same shape, every second sign padded with zeros to the largest r) equal each shape's cap alone to 1e-10 in
+    float64, and stay within the SVD cap's tolerance. The planted error, a padding that is not zero, fails."""
+    gen = torch.Generator().manual_seed(8)
+    stacks = [torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.8 for shape in HARD_CAP_STACKS]
+    bound = max(float(rms_singular_values(w).max()) for w in stacks) * 1.001 if bounded else None
+    alone = [constraints.hard_cap(w, 1.0, bound=bound) for w in stacks]
+    together = constraints.hard_caps(stacks, 1.0, bound=bound)
+    for w, a, b in zip(stacks, alone, together):
+        assert b.shape == w.shape
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+        error = float(rms_singular_values(b - constraints.hard_cap_svd(w, 1.0)).max())
+        assert error <= 5e-5, error
+    padding = torch.nn.functional.pad
+    monkeypatch.setattr(torch.nn.functional, "pad", lambda x, sizes: padding(x, sizes, value=0.01))
+    planted = constraints.hard_caps(stacks, 1.0, bound=bound)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(alone, planted))
+
+
+def test_hard_caps_take_one_first_sign_a_wide_shape_and_one_second_sign(monkeypatch):
+    """Newton–Schulz runs once for each shape made wide (16 × 16, 16 × 32, 10 × 24, 12 × 20) and once for every
+    second sign, on all nine matrices' r × r inputs padded to 16: five batches where each stack alone takes ten."""
+    calls = []
+    iterate = constraints.newton_schulz
+
+    def counted(x, growth, polish):
+        calls.append(x.reshape(-1, *x.shape[-2:]).shape)
+        return iterate(x, growth, polish)
+
+    monkeypatch.setattr(constraints, "newton_schulz", counted)
+    gen = torch.Generator().manual_seed(9)
+    constraints.hard_caps([torch.randn(*shape, generator=gen) for shape in HARD_CAP_STACKS], 1.0, bound=1.05)
+    assert calls == [(3, 16, 16), (4, 16, 32), (1, 10, 24), (1, 12, 20), (9, 16, 16)]
+
+
 def test_newton_schulz_msign_matches_the_svd_and_its_quintic_stays_bounded():
     x = torch.linspace(0, 1, 100_001, dtype=torch.float64)
     a, b, c = constraints.JORDAN_QUINTIC
@@ -257,7 +297,7 @@ def test_compiled_constraints_equal_the_eager_ones_over_muon_steps(constraint, m
     monkeypatch.setattr(torch, "compile", counted)
     torch._dynamo.reset()
     compiled, _ = run(True)
-    constraint_counter = counters["_constrain"]
+    constraint_counter = counters["_cap_all" if constraint == "hard_cap" else "_constrain"]
     for (name, a), b in zip(eager.network.named_parameters(), compiled.network.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
     shapes = {tuple(p.shape) for p in hidden_matrices(compiled.network)}

@@ -109,23 +109,50 @@ def hard_cap(weight: torch.Tensor, sigma_max: float, bound: float | None = None,
     spectral norm; ``sign_growth`` quintic steps resolve β − σ down to ~3e-5·β, ``sign_polish`` cubic steps
     finish it. Matches the SVD cap
     to ~1e-5·β (tests, float32)."""
-    scale = rms_scale(weight)
-    m, tall = _wide(weight * scale)
-    if bound is not None:  # values at β start at β/bound: cubic steps alone take them to 1 when it is near 1
-        near = bound <= 1.5 * sigma_max
-        f = msign(m, growth=0 if near else 6, polish=cubic_steps(sigma_max / bound) if near else 4, scale=bound)
-        upper = bound
-    else:
-        f = msign(m)
-        upper = m.flatten(-2).norm(dim=-1)[..., None, None]  # ‖M‖_F ≥ σ₁
-    eye = torch.eye(m.shape[-2], dtype=m.dtype, device=m.device)
-    sign_input = sigma_max * eye - f @ m.mT  # (r, r): eigenvalues β − pσ ∈ [β − ub, β]
-    sign_scale = torch.clamp(upper - sigma_max, min=sigma_max) if isinstance(upper, torch.Tensor) else \
-        upper - sigma_max if upper - sigma_max > sigma_max else sigma_max  # (no max(): as in msign)
-    q = newton_schulz(sign_input / sign_scale, sign_growth, sign_polish)
-    capped = 0.5 * (sigma_max * f + m - q @ (sigma_max * f - m))
-    capped = capped.mT if tall else capped
-    return capped / scale
+    return hard_caps([weight], sigma_max, bound, sign_growth, sign_polish)[0]
+
+
+def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None = None, sign_growth: int = 8,
+              sign_polish: int = 4) -> list[torch.Tensor]:
+    """:func:`hard_cap` of each matrix or stack (…, m, n) in ``weights``, their iterations batched: the stacks that
+    have one shape once made wide (a tall one transposed, e.g. an MLP's two matrices) take one first sign, and every
+    second sign (r × r) runs in one Newton–Schulz batch, each padded with zeros to the largest r. This changes no
+    value beyond rounding: each step maps a block-diagonal matrix block by block, and zero rows and columns stay zero.
+    On a GPU it is the launches of one shape's iterations instead of one per shape and orientation."""
+    scales = [rms_scale(w) for w in weights]
+    wide = [_wide(w * scale) for w, scale in zip(weights, scales)]
+    flat = [m.reshape(-1, *m.shape[-2:]) for m, _ in wide]
+    shapes = list(dict.fromkeys(tuple(m.shape[-2:]) for m in flat))  # first-seen order
+    members = [[i for i, m in enumerate(flat) if tuple(m.shape[-2:]) == shape] for shape in shapes]
+    merged = [flat[group[0]] if len(group) == 1 else torch.cat([flat[i] for i in group]) for group in members]
+    signs, sign_inputs = [], []
+    for m in merged:
+        if bound is not None:  # values at β start at β/bound: cubic steps alone take them to 1 when it is near 1
+            near = bound <= 1.5 * sigma_max
+            f = msign(m, growth=0 if near else 6, polish=cubic_steps(sigma_max / bound) if near else 4, scale=bound)
+            upper = bound
+        else:
+            f = msign(m)
+            upper = m.flatten(-2).norm(dim=-1)[..., None, None]  # ‖M‖_F ≥ σ₁
+        eye = torch.eye(m.shape[-2], dtype=m.dtype, device=m.device)
+        sign_input = sigma_max * eye - f @ m.mT  # (r, r): eigenvalues β − pσ ∈ [β − ub, β]
+        sign_scale = torch.clamp(upper - sigma_max, min=sigma_max) if isinstance(upper, torch.Tensor) else \
+            upper - sigma_max if upper - sigma_max > sigma_max else sigma_max  # (no max(): as in msign)
+        signs.append(f)
+        sign_inputs.append(sign_input / sign_scale)
+    largest = max(x.shape[-1] for x in sign_inputs)
+    padded = [x if x.shape[-1] == largest else torch.nn.functional.pad(x, (0, largest - x.shape[-1]) * 2)
+              for x in sign_inputs]
+    together = newton_schulz(padded[0] if len(padded) == 1 else torch.cat(padded), sign_growth, sign_polish)
+    results: list[torch.Tensor | None] = [None] * len(weights)
+    for m, f, x, q, group in zip(merged, signs, sign_inputs, together.split([len(x) for x in sign_inputs]), members):
+        r = x.shape[-1]
+        capped = 0.5 * (sigma_max * f + m - q[:, :r, :r] @ (sigma_max * f - m))
+        for i, part in zip(group, capped.split([len(flat[i]) for i in group])):
+            tall = wide[i][1]
+            part = part.reshape(wide[i][0].shape)
+            results[i] = (part.mT if tall else part) / scales[i]
+    return results
 
 
 def hard_cap_svd(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:

@@ -223,11 +223,11 @@ class MuonConstrained(Stabilizer):
     def compile_terms(self) -> None:
         """Trained compiled: the per-step power iteration of the projection (a block power iteration with
         Rayleigh–Ritz over every weight) as one compiled graph, and each shape group's constraint (the caps' matrix
-        polynomials and sign iterations) as one of its own, called inside the float32 context (no gradient: the
-        whole call runs at that precision), made on first use (again after a copy). Two entries a shape (the first takes
-        α and the step bound as constants, the second, once they change, as inputs), and one more each time the hard
-        cap's first sign changes its iteration count (which follows the step bound, so the learning rate's schedule:
-        a few in a run)."""
+        polynomials and sign iterations; the hard cap's of every shape at once) as one of its own, called inside the
+        float32 context (no gradient: the whole call runs at that precision), made on first use (again after a copy).
+        Two entries a graph (the first takes α and the step bound as constants, the second, once they change, as
+        inputs), and one more each time the hard cap's first sign changes its iteration count (which follows the step
+        bound, so the learning rate's schedule: a few in a run)."""
         if self._power is not None:
             self._power.compile()
         if self.constraint != "none" and self.method != "exact":
@@ -369,21 +369,29 @@ class MuonConstrained(Stabilizer):
         groups = self._power.step(weights, self.power_iterations) if (self._power is not None and not exact) \
             else None
         compiled = getattr(self, "_compile_constraint", False) and not exact
+        together = self.constraint == "hard_cap" and not exact  # every shape's sign iterations in one batch
         if compiled and self._compiled_constraint is None:
-            self._compiled_constraint = torch.compile(self._constrain, fullgraph=True)
-        constrain = self._compiled_constraint if compiled else self._constrain
+            self._compiled_constraint = torch.compile(self._cap_all if together else self._constrain, fullgraph=True)
+        constrain = self._compiled_constraint if compiled else self._cap_all if together else self._constrain
         with float32_math(device.type):
-            for group in groups or self._groups_by_shape(weights, exact):
-                if compiled:  # a graph for each shape; α and the bound its inputs
+            groups = list(groups or self._groups_by_shape(weights, exact))
+            if compiled:  # a graph for each shape (the hard cap: one for all); α and the bound its inputs
+                for group in groups:
                     torch._dynamo.mark_static(group.weight)
-                projected = constrain(group, largest, exact, self.last_alpha)
-                torch._foreach_copy_([weights[i] for i in group.indices], list(projected.unbind(0)))
+            projected = constrain([group.weight for group in groups], largest) if together else \
+                [constrain(group, largest, exact, self.last_alpha) for group in groups]
+            for group, stack in zip(groups, projected):
+                torch._foreach_copy_([weights[i] for i in group.indices], list(stack.unbind(0)))
 
     @staticmethod
     def _groups_by_shape(weights: list[torch.Tensor], exact: bool) -> list[TopSingular]:
         return [TopSingular(indices, stacked.to(torch.float64 if exact else accumulation_dtype(stacked.dtype)), None,
                             None, None)
                 for indices, stacked in grouped_by_shape([w.detach() for w in weights])]
+
+    def _cap_all(self, stacks: list[torch.Tensor], largest: float | None) -> list[torch.Tensor]:
+        """The hard cap of every shape group's stack (G, m, n), their sign iterations batched together."""
+        return constraints.hard_caps(stacks, self.sigma_max, bound=largest)
 
     def _constrain(self, group: TopSingular, largest: float | None, exact: bool, alpha: float) -> torch.Tensor:
         """The constrained matrices of one shape group (G, m, n); ``alpha``: the soft cap's α this step."""
