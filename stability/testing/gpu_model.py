@@ -41,10 +41,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 PRECISIONS = ("bf16", "tf32", "fp32")
-# operators that launch no kernel: allocations, metadata, and the wrapping of Python scalars
+# operators that launch no kernel: allocations, metadata, the wrapping of Python scalars, and dtype arithmetic
 NO_KERNEL = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
              "scalar_tensor", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
-             "_has_compatible_shallow_copy_type", "resize_", "record_stream", "_local_scalar_dense"}
+             "_has_compatible_shallow_copy_type", "resize_", "record_stream", "_local_scalar_dense", "promote_types",
+             "result_type", "can_cast"}
 LAUNCH_TOLERANCE = 0.02  # a data-dependent branch (a projection taken or not, at the cap) moves a launch or two
 SYNCS = {"_local_scalar_dense", "item", "nonzero"}  # a value read back to the host (a stall on a GPU)
 
@@ -294,9 +295,9 @@ START = np.log([1e-5, 3e-6, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
 # eager, torch 2.11, 2026-11-27) by `python benchmarks/step_cost.py --count` (results/benchmarks/step_model_h200.md:
 # 22 rows, the products' copies counted; leave-one-out error median 12%); bf16 and TF32 throughputs at NOMINAL_H200
 # (the table cannot tell them)
-FITTED = {"h200": GpuModel(launch_s=2.175e-5, bytes_per_s=1.597e12,
-                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.339e13},
-                           form="overlap", kernel_s=5.146e-6)}
+FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.596e12,
+                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.340e13},
+                           form="overlap", kernel_s=5.148e-6)}
 
 
 def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
