@@ -168,11 +168,12 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             optimizer = module.build_optimizer()
             train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
             with recorded_calls(SubspaceIteration, "step") as calls, \
-                    recorded_calls(MuonConstrained, "_constrain") as constrained, recorded_compositions() as composed:
+                    recorded_calls(MuonConstrained, "_constrain") as constrained, \
+                    recorded_calls(MuonConstrained, "_cap_all") as capped, recorded_compositions() as composed:
                 step = count(lambda m=module, o=optimizer: train_step(m, o, images, labels, precision, 2))
             result["step"] = step.launches
             power = power_step_launches(calls)
-            constraint = constraint_launches(constrained)
+            constraint = constraint_launches(constrained + capped)
             composition = composition_launches(composed)
             result["power eager"] = power[0] + constraint[0] + composition[0]
             result["power compiled"] = power[1] + constraint[1] + composition[1]
@@ -297,21 +298,26 @@ def counted_calls(instance: object, method: str) -> Iterator[list[float]]:
 
 
 def constraint_launches(calls: list[tuple]) -> tuple[int, int]:
-    """The eager launches of the recorded constraints, and those of the graphs ``--model.compile`` runs them as
+    """The eager launches of the recorded constraints — ``_constrain`` calls (one shape group each) and ``_cap_all``
+    calls (the hard cap of every group at once) — and those of the graphs ``--model.compile`` runs them as
     (:meth:`MuonConstrained.compile_terms`; the exact SVD path stays eager)."""
     eager = compiled = 0
     for stab, args, _ in calls:  # _project passes them all by position
-        device = args[0].weight.device.type
+        together = isinstance(args[0], list)  # _cap_all(stacks, largest)
+        stacks = args[0] if together else [args[0].weight]
+        constrain = stab._cap_all if together else stab._constrain
+        device = stacks[0].device.type
         with float32_math(device):
-            eager += count(lambda s=stab, a=args: s._constrain(*a)).launches
-        if args[2]:  # exact
-            compiled += count(lambda s=stab, a=args: s._constrain(*a)).launches
+            eager += count(lambda f=constrain, a=args: f(*a)).launches
+        if not together and args[2]:  # exact
+            compiled += count(lambda f=constrain, a=args: f(*a)).launches
             continue
-        graph = torch.compile(stab._constrain, fullgraph=True)
+        graph = torch.compile(constrain, fullgraph=True)
 
-        def run(graph=graph, args=args, device=device):
+        def run(graph=graph, args=args, stacks=stacks, device=device):
             with float32_math(device):
-                torch._dynamo.mark_static(args[0].weight)
+                for stack in stacks:
+                    torch._dynamo.mark_static(stack)
                 graph(*args)
 
         compiled += generated_launches(run)

@@ -240,6 +240,29 @@ def test_a_compiled_power_iterations_kernels_do_not_grow_with_the_matrices_of_a_
     assert kernels(12) == four and four[1] > four[2] > 0 and four[0] > 0
 
 
+@needs_fake_gpu
+@pytest.mark.parametrize("constraint", ["hard_cap", "soft_cap"])
+def test_compiled_kernels_counts_muons_constraint_whichever_method_runs_it(benchmark_modules, constraint):
+    """The hard cap runs every shape group at once (``_cap_all``), the other constraints one group a call
+    (``_constrain``): either way the step's constraint is recorded and counted, eager and as its compiled graph
+    (a benchmark that recorded only ``_constrain`` counted the hard cap as eager work outside any graph)."""
+    from common import build_module
+    from compiled_kernels import constraint_launches, recorded_calls
+
+    from stability.stabilizers.muon import MuonConstrained
+    from stability.testing.profiling import train_step
+
+    module, optimizer = build_module("vit", "micro", "muon", {"constraint": constraint}, image_size=8, in_chans=1,
+                                     device=torch.device("cpu"), backbone_options={"patch_size": 4})
+    images, labels = torch.rand(2, 1, 8, 8), torch.tensor([0, 1])
+    with recorded_calls(MuonConstrained, "_constrain") as constrained, \
+            recorded_calls(MuonConstrained, "_cap_all") as capped:
+        train_step(module, optimizer, images, labels, step=1)
+    assert (len(capped), len(constrained) > 0) == ((1, False) if constraint == "hard_cap" else (0, True))
+    eager, compiled = constraint_launches(constrained + capped)
+    assert eager > 0 and min(compiled) > 0  # compiled: [Triton kernels, C++ loop nests, C++ functions]
+
+
 def test_loop_overhead_times_stability_fit_against_a_hand_written_loop(tmp_path):
     text = run_benchmark("loop_overhead.py", tmp_path / "loop.md")
     rows = {row[0]: row for row in table_rows(text)}

@@ -25,7 +25,7 @@ def test_a_matrix_product_is_counted_by_its_precision_and_a_view_launches_nothin
     def step():
         (a @ b).t().unsqueeze(0)  # mm, then two views
         torch.relu(a)  # 8·16 floats in and out
-        torch.promote_types(a.dtype, torch.float32), torch.result_type(a, 1.0)  # dtype arithmetic: host only
+        torch.promote_types(a.dtype, torch.float32), torch.can_cast(a.dtype, torch.int32)  # dtype arithmetic: host
 
     torch.set_float32_matmul_precision("high")
     try:
