@@ -55,13 +55,16 @@ def build_module(backbone: str, size: str, stabilizer: str, options: dict | None
                  stabilizer_options: dict[str, dict] | None = None) -> tuple[ImageClassifier, torch.optim.Optimizer]:
     """The module and optimizer a ``stability fit`` with these settings trains (10 classes), on
     ``device``, seeded (``compile``: as ``--model.compile true``). ``options`` are the first stabilizer's;
-    ``stabilizer_options`` any stabilizer's by name (a composition's muon, say)."""
+    ``stabilizer_options`` any stabilizer's by name (a composition's muon, say; for the first, merged over
+    ``options``)."""
     torch.manual_seed(seed)
     names = stabilizer.split(",")
     unknown = sorted(set(stabilizer_options or {}) - set(names))
     if unknown:
         raise ValueError(f"stabilizer_options for {unknown}, which are not in {names}")
-    by_name = {**({names[0]: options} if options else {}), **(stabilizer_options or {})}
+    by_name = dict(stabilizer_options or {})
+    if options:  # the first stabilizer's options, merged with (and overridden by) any given for it by name
+        by_name[names[0]] = {**options, **by_name.get(names[0], {})}
     module = ImageClassifier(backbone=backbone, size=size, backbone_options=backbone_options or {},
                              stabilizer=names, stabilizer_options=by_name or None,
                              num_classes=10, in_chans=in_chans, image_size=image_size, mean=[0.5] * in_chans,

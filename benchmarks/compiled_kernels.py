@@ -145,13 +145,12 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(BATCH, 3, image_size, image_size, generator=generator)
     labels = torch.randint(0, 10, (BATCH,), generator=generator)
-    backbone_options = {**options, **(case.backbone_options or {}), "depth": depth}
+    backbone_options = {**options, "depth": depth}  # the case adds its own (Case.build)
     result: dict[str, float | None] = {}
     for compile in (False, True):
         try:
-            module, _ = build_module("vit", size, case.stabilizer, case.options, image_size=image_size,
-                                     device=torch.device("cpu"), backbone_options=backbone_options, compile=compile,
-                                     stabilizer_options=case.stabilizer_options)
+            module, _ = case.build("vit", size, image_size=image_size, device=torch.device("cpu"),
+                                   backbone_options=backbone_options, compile=compile)
         except ValueError as refusal:
             if compile and "cannot train compiled" in str(refusal):
                 return {**result, "compiled": None}

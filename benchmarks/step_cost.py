@@ -79,6 +79,14 @@ class Case:
     backbone_options: dict | None = None  # e.g. timm's own qk_norm, for comparison
     stabilizer_options: dict | None = None  # a composition's other stabilizers' options, by name
 
+    def build(self, backbone: str, size: str, *, image_size: int, device: torch.device,
+              backbone_options: dict | None = None, compile: bool = False, in_chans: int = 3):
+        """The case's module and optimizer (:func:`common.build_module`) with every option the case names: its
+        stabilizers', its backbone's on top of ``backbone_options``. Every table builds its rows through this."""
+        return build_module(backbone, size, self.stabilizer, self.options, image_size=image_size, device=device,
+                            backbone_options={**(backbone_options or {}), **(self.backbone_options or {})},
+                            compile=compile, in_chans=in_chans, stabilizer_options=self.stabilizer_options)
+
 
 CERTIFIED_BASE = "lipschitz_transformer + muon hard_cap"  # the certified losses' cost is taken over it
 # the Lipschitz transformer's weight constraints as configs/stabilizer/lipschitz_transformer*.yaml set them (muon's own
@@ -226,9 +234,8 @@ def measure(backbone: str, size: str, tokens: int, batch: int, device: torch.dev
     cases = selected([c for c in CASES if backbone == "vit" or not c.vit_only], only, compiled)
     def step_of(case: Case, compile: bool = False):
         """The case's module and its training step (as ``--model.compile true`` trains it where ``compile``)."""
-        module, optimizer = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
-                                         device=device, backbone_options={**options, **(case.backbone_options or {})},
-                                         compile=compile, stabilizer_options=case.stabilizer_options)
+        module, optimizer = case.build(backbone, size, image_size=image_size, device=device, backbone_options=options,
+                                       compile=compile)
         if case.at_cap:
             put_weights_at_the_cap(module)
         counter = iter(range(1, 10 ** 9))  # step indices: the timed steps are never check steps (1, 2, …, < 99)
@@ -327,10 +334,8 @@ def counted(case: Case, backbone: str, size: str, tokens: int, batch: int, preci
     counts = {}
     for depth in COUNT_DEPTHS:
         for images_per_step in COUNT_BATCHES:
-            module, _ = build_module(backbone, size, case.stabilizer, case.options, image_size=image_size,
-                                     device=torch.device("cpu"),
-                                     backbone_options={**options, **(case.backbone_options or {}), "depth": depth},
-                                     stabilizer_options=case.stabilizer_options)
+            module, _ = case.build(backbone, size, image_size=image_size, device=torch.device("cpu"),
+                                   backbone_options={**options, "depth": depth})
             if case.at_cap:
                 put_weights_at_the_cap(module)
             generator = torch.Generator().manual_seed(0)

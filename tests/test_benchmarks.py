@@ -586,9 +586,8 @@ def test_every_step_cost_row_trains_the_constraint_its_label_names():
         if "muon" not in case.stabilizer.split(","):
             continue
         named = [c for c in CONSTRAINTS if c != "none" and c in case.label.replace(" ", "_")]
-        module, _ = build_module("vit", "micro", case.stabilizer, case.options, image_size=8, in_chans=1,
-                                 device=torch.device("cpu"), backbone_options={"patch_size": 4},
-                                 stabilizer_options=case.stabilizer_options)
+        module, _ = case.build("vit", "micro", image_size=8, in_chans=1, device=torch.device("cpu"),
+                               backbone_options={"patch_size": 4})  # what every table builds
         muon = next(s for s in module.stabilizers if isinstance(s, MuonConstrained))
         expected = "none" if "no constraint" in case.label else named[0] if named else "hard_cap"
         assert muon.constraint == expected, case.label
@@ -599,6 +598,51 @@ def test_every_step_cost_row_trains_the_constraint_its_label_names():
     with pytest.raises(ValueError, match=r"\['gloro'\].*not in \['none'\]"):
         build_module("vit", "micro", "none", image_size=8, in_chans=1, device=torch.device("cpu"),
                      stabilizer_options={"gloro": {}})
+    # the first stabilizer's options and its options by name merge, the named ones winning (they once replaced them)
+    module, _ = build_module("vit", "micro", "muon", {"constraint": "soft_cap", "layers": "all"}, image_size=8,
+                             in_chans=1, device=torch.device("cpu"),
+                             stabilizer_options={"muon": {"constraint": "none"}})
+    muon = next(s for s in module.stabilizers if isinstance(s, MuonConstrained))
+    assert (muon.constraint, muon.layers) == ("none", "all")
+
+
+def test_every_table_builds_its_rows_with_the_options_they_name(monkeypatch):
+    """step_cost's timed and counted steps and compiled_kernels' counts each build a row with all of its options
+    (its stabilizers', its backbone's): the hard-capped rows' muon options were once dropped by one of them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compiled_kernels
+    import step_cost
+
+    class Built(Exception):
+        pass
+
+    wanted = None
+
+    def recording(*args, **kwargs):  # the row asked for stops the table; the rows it is measured against are built
+        if args[2] == wanted.stabilizer and kwargs["backbone_options"].get("qk_norm") == (wanted.backbone_options or
+                                                                                       {}).get("qk_norm"):
+            raise Built(args, kwargs)
+        return build_module(*args, **kwargs)
+
+    from common import build_module
+    monkeypatch.setattr(step_cost, "build_module", recording)
+    case = next(c for c in step_cost.CASES if c.label == "lipschitz_transformer + muon + gloro")
+    timm = next(c for c in step_cost.CASES if c.backbone_options)
+    calls = {
+        "counted": lambda c: step_cost.counted(c, "vit", "micro", 16, 4, "bf16"),
+        "measure": lambda c: step_cost.measure("vit", "micro", 16, 4, torch.device("cpu"), 1, "bf16", only=(c.label,)),
+        "counts_at": lambda c: compiled_kernels.counts_at(c, "micro", 16, 1, "bf16"),
+    }
+    for name, call in calls.items():
+        for row in (case, timm):
+            wanted = row
+            with pytest.raises(Built) as built:
+                call(row)
+            args, kwargs = built.value.args
+            assert args[2:4] == (row.stabilizer, row.options), name
+            assert kwargs["stabilizer_options"] == row.stabilizer_options, name
+            assert row.backbone_options is None or kwargs["backbone_options"].items() >= row.backbone_options.items()
+
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, "lightning"])

@@ -91,6 +91,16 @@ def test_hard_caps_batched_across_shapes_equal_each_alone(bounded, monkeypatch):
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(alone, planted))
 
 
+def test_hard_caps_refuse_weights_of_mixed_dtypes():
+    """Batched, a float64 matrix would be rounded to the float32 of the others: refused, naming what was given."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(8, 16, generator=gen), torch.randn(16, 8, generator=gen, dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"one dtype and device; got torch.float32 on cpu, torch.float64 on cpu"):
+        constraints.hard_caps(weights, 1.0)
+    alone = [constraints.hard_caps([w], 1.0)[0] for w in weights]
+    assert [a.dtype for a in alone] == [torch.float32, torch.float64]
+
+
 def test_hard_caps_take_one_first_sign_a_wide_shape_and_one_second_sign(monkeypatch):
     """Newton–Schulz runs once for each shape made wide (16 × 16, 16 × 32, 10 × 24, 12 × 20) and once for every
     second sign, on all nine matrices' r × r inputs padded to 16: five batches where each stack alone takes ten."""
