@@ -183,6 +183,49 @@ def test_the_bf16_gradient_is_within_bf16_rounding_and_a_dropped_term_is_not(mon
     assert (gradient(q, k) - reference).abs().max() > 10 * 2 ** -6 * scale
 
 
+@pytest.mark.parametrize("block", [5, 64])
+@pytest.mark.parametrize("used", ["lse", "top", "both"])
+def test_the_streamed_gradient_of_either_statistic_alone_equals_the_materialised_one(block, used):
+    """An unused output's gradient reaches the backward as None (no zero tensor is made for it): the gradient of the
+    LSE alone, of the top logits alone, and of both equal autograd's through the materialised logits (float64)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 13, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 11, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    on_lse, on_top = torch.randn(2, 3, 13, generator=gen, dtype=torch.float64), torch.randn(2, 3, 13, 3,
+                                                                                              generator=gen,
+                                                                                              dtype=torch.float64)
+
+    def gradient(lse, top):
+        loss = {"lse": (lse * on_lse).sum(), "top": (top * on_top).sum()}
+        total = loss["lse"] + loss["top"] if used == "both" else loss[used]
+        return torch.cat([g.flatten() for g in torch.autograd.grad(total, (q, k))])
+
+    logits = 0.7 * q @ k.transpose(-1, -2)
+    want = gradient(logits.logsumexp(-1), logits.topk(3, dim=-1).values)
+    torch.testing.assert_close(gradient(*row_statistics(q, k, 0.7, 3, block=block)), want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_streamed_statistics_copy_nothing_of_the_attention_size():
+    """On an attention's permuted bf16 queries and keys, one block: the forward casts q and k once (contiguous, so no
+    product copies them again), the backward makes no zero tensor and no copy, and casts only what the attention
+    kernel takes in bf16 (q, k, the weighted queries). Counted as a GPU step counts them; the earlier code (eight
+    casts, four copies inside the products, two zero tensors, in-place sums into them) fails."""
+    from stability.testing.gpu_model import count
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 9, 3, 2, 8, generator=gen).bfloat16().permute(2, 0, 3, 1, 4)  # timm's (3, B, H, N, d)
+    q, k = (x.detach().requires_grad_(True) for x in qkv[:2])
+    weights = torch.randn(2, 2, 9, 4, generator=gen)
+
+    def step():
+        (top_probabilities_streamed(q, k, 0.25, 4) * weights).sum().backward()
+
+    ops = count(step).ops
+    assert ops["_to_copy"] <= 2 + 3 + 2  # forward q, k; backward q, k, weighted q; the gradients back to bf16
+    assert not {"clone", "zeros_like", "zeros", "copy_", "empty_like"} & {name for name, n in ops.items() if n}, ops
+    assert ops["new_zeros"] == 1 and ops["scatter_add_"] == 1  # the top logits' one sparse block
+
+
 @pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (10, "mean")])
 def test_streamed_jasmin_equals_the_materialised_loss_and_gradient_on_vit(k, reduction):
     """Same loss and same gradient for every parameter, with the fused attention path kept."""

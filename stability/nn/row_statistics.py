@@ -76,51 +76,61 @@ class _RowStatistics(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int, low: torch.dtype | None):
         n_rows, n_keys = q.shape[-2], k.shape[-2]
         count = min(count, n_keys)
-        lse = q.new_empty(q.shape[:-1])
-        top = q.new_empty(*q.shape[:-1], count)
-        index = torch.empty(*q.shape[:-1], count, dtype=torch.long, device=q.device)
         keys_t = k.transpose(-1, -2)
         exact_scale = power_of_two(scale)
+        parts = []
         with _products(q.device.type, low is not None):
             scaled = q * scale if exact_scale else q  # once, on (…, N, d), instead of on every (…, rows, M) block
             for start in range(0, n_rows, block):
-                stop = min(start + block, n_rows)
-                logits = scaled[..., start:stop, :] @ keys_t
+                logits = scaled[..., start:start + block, :] @ keys_t
                 if not exact_scale:
                     logits.mul_(scale)
-                lse[..., start:stop] = logits.logsumexp(-1)
-                values, indices = logits.topk(count, dim=-1)
-                top[..., start:stop, :] = values
-                index[..., start:stop, :] = indices
+                parts.append((logits.logsumexp(-1), *logits.topk(count, dim=-1)))
+        # one block (the usual case): its results are the outputs, with no copy into preallocated ones
+        lse, top, index = parts[0] if len(parts) == 1 else (torch.cat(p, -1 if p[0].dim() < q.dim() else -2)
+                                                            for p in zip(*parts))
         ctx.save_for_backward(q, k, index)
         ctx.scale, ctx.block, ctx.low = scale, block, low
         ctx.mark_non_differentiable(index)
+        ctx.set_materialize_grads(False)  # no zero tensor for the indices' gradient (nor for an unused output's)
         return lse, top, index
 
     @staticmethod
     def backward(ctx, grad_lse: torch.Tensor | None, grad_top: torch.Tensor | None, _grad_index):
+        """Each gradient written once where it starts (no zero tensors, no copies): the top part's products are the
+        gradients, and the LSE part is added in place, the attention kernel's bf16 outputs promoted by the addition
+        itself (its values in float32 are the same as after a cast)."""
         q, k, index = ctx.saved_tensors
         scale, block, low = ctx.scale, ctx.block, ctx.low
-        grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
-        if grad_lse is not None:  # ∂LSE_i/∂s_im = p_im: a fused attention kernel's forward and backward (module doc)
-            dtype = low or q.dtype  # bf16 values back in bf16 (exactly): the kernel's fast path
-            with torch.enable_grad(), _products(q.device.type, low is not None):
-                values = k.detach().to(dtype).requires_grad_(True)
-                attended = F.scaled_dot_product_attention(q.detach().to(dtype), k.detach().to(dtype), values,
-                                                          scale=scale)  # P·K
-                weighted = (scale * grad_lse[..., None] * q).to(dtype)
-                (transposed,) = torch.autograd.grad(attended, values, weighted)  # Pᵀ·(scale·g·Q)
-            grad_q += scale * grad_lse[..., None] * attended.detach().to(q.dtype)
-            grad_k += transposed.to(k.dtype)
+        grad_q = grad_k = None
         if grad_top is not None:  # the top logits: (count) entries a row, scattered a block of rows at a time
+            weights = grad_top * scale  # the logits' scale on (…, N, count) entries, not on the (…, N, d) products
             with _products(q.device.type, low is not None):
                 for start in range(0, q.shape[-2], block):
                     stop = min(start + block, q.shape[-2])
                     rows = index[..., start:stop, :]
                     sparse = q.new_zeros(*rows.shape[:-1], k.shape[-2]).scatter_add_(-1, rows,
-                                                                                      grad_top[..., start:stop, :])
-                    grad_q[..., start:stop, :] += scale * (sparse @ k)
-                    grad_k += scale * (sparse.transpose(-1, -2) @ q[..., start:stop, :])
+                                                                                      weights[..., start:stop, :])
+                    on_keys = sparse.transpose(-1, -2) @ q[..., start:stop, :]
+                    if stop - start == q.shape[-2]:
+                        grad_q = sparse @ k
+                    else:
+                        grad_q = torch.empty_like(q) if grad_q is None else grad_q
+                        grad_q[..., start:stop, :] = sparse @ k
+                    grad_k = on_keys if grad_k is None else grad_k.add_(on_keys)
+        if grad_lse is not None:  # ∂LSE_i/∂s_im = p_im: a fused attention kernel's forward and backward (module doc)
+            dtype = low or q.dtype  # bf16 values back in bf16 (exactly): the kernel's fast path
+            row_weights = scale * grad_lse[..., None]  # (…, N, 1)
+            with torch.enable_grad(), _products(q.device.type, low is not None):
+                keys = k.detach().to(dtype)
+                values = keys.detach().requires_grad_(True)  # the keys as the values: one cast serves both
+                attended = F.scaled_dot_product_attention(q.detach().to(dtype), keys, values, scale=scale)  # P·K
+                (transposed,) = torch.autograd.grad(attended, values, (row_weights * q).to(dtype))  # Pᵀ·(scale·g·Q)
+            attended = attended.detach()
+            grad_q = (attended * row_weights).to(q.dtype) if grad_q is None else grad_q.addcmul_(attended, row_weights)
+            grad_k = transposed.to(k.dtype) if grad_k is None else grad_k.add_(transposed)
+        if grad_q is None:
+            grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
         return grad_q, grad_k, None, None, None, None
 
 
@@ -175,7 +185,9 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
     low = q.dtype if products_exact_in_tf32(q, k) else None
     dtype = torch.promote_types(q.dtype, torch.float32)
-    lse, top, _ = _RowStatistics.apply(q.to(dtype), k.to(dtype), float(scale), int(count), int(block), low)
+    # contiguous (an attention's q and k are often permuted views): else every product below copies them first
+    q, k = (x.to(dtype, memory_format=torch.contiguous_format) for x in (q, k))
+    lse, top, _ = _RowStatistics.apply(q, k, float(scale), int(count), int(block), low)
     return lse, top
 
 
