@@ -76,15 +76,14 @@ class _RowStatistics(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int, low: torch.dtype | None):
         n_rows, n_keys = q.shape[-2], k.shape[-2]
         count = min(count, n_keys)
-        keys_t = k.transpose(-1, -2)
-        exact_scale = power_of_two(scale)
+        stacked_q, keys_t = q.reshape(-1, n_rows, q.shape[-1]), k.reshape(-1, n_keys, k.shape[-1]).transpose(-1, -2)
+        ignored = q.new_empty(())  # β = 0: the product's input is never read
         parts = []
         with _products(q.device.type, low is not None):
-            scaled = q * scale if exact_scale else q  # once, on (…, N, d), instead of on every (…, rows, M) block
             for start in range(0, n_rows, block):
-                logits = scaled[..., start:start + block, :] @ keys_t
-                if not exact_scale:
-                    logits.mul_(scale)
+                # scale·(q kᵀ) in the product itself (its α), not as a pass over q or over the logits
+                logits = torch.baddbmm(ignored, stacked_q[:, start:start + block], keys_t, beta=0, alpha=scale)
+                logits = logits.view(*q.shape[:-2], logits.shape[-2], n_keys)
                 parts.append((logits.logsumexp(-1), *logits.topk(count, dim=-1)))
         # one block (the usual case): its results are the outputs, with no copy into preallocated ones
         lse, top, index = parts[0] if len(parts) == 1 else (torch.cat(p, -1 if p[0].dim() < q.dim() else -2)
