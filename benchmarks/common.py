@@ -64,7 +64,7 @@ def build_module(backbone: str, size: str, stabilizer: str, options: dict | None
         raise ValueError(f"stabilizer_options for {unknown}, which are not in {names}")
     by_name = dict(stabilizer_options or {})
     if options:  # the first stabilizer's options, merged with (and overridden by) any given for it by name
-        by_name[names[0]] = {**options, **by_name.get(names[0], {})}
+        by_name[names[0]] = {**options, **(by_name.get(names[0]) or {})}
     module = ImageClassifier(backbone=backbone, size=size, backbone_options=backbone_options or {},
                              stabilizer=names, stabilizer_options=by_name or None,
                              num_classes=10, in_chans=in_chans, image_size=image_size, mean=[0.5] * in_chans,

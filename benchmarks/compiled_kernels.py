@@ -145,12 +145,11 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(BATCH, 3, image_size, image_size, generator=generator)
     labels = torch.randint(0, 10, (BATCH,), generator=generator)
-    backbone_options = {**options, "depth": depth}  # the case adds its own (Case.build)
     result: dict[str, float | None] = {}
     for compile in (False, True):
         try:
             module, _ = case.build("vit", size, image_size=image_size, device=torch.device("cpu"),
-                                   backbone_options=backbone_options, compile=compile)
+                                   backbone_options=options, compile=compile, depth=depth)
         except ValueError as refusal:
             if compile and "cannot train compiled" in str(refusal):
                 return {**result, "compiled": None}

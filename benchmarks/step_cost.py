@@ -80,12 +80,17 @@ class Case:
     stabilizer_options: dict | None = None  # a composition's other stabilizers' options, by name
 
     def build(self, backbone: str, size: str, *, image_size: int, device: torch.device,
-              backbone_options: dict | None = None, compile: bool = False, in_chans: int = 3):
+              backbone_options: dict | None = None, compile: bool = False, in_chans: int = 3,
+              depth: int | None = None):
         """The case's module and optimizer (:func:`common.build_module`) with every option the case names: its
-        stabilizers', its backbone's on top of ``backbone_options``. Every table builds its rows through this."""
+        stabilizers', its backbone's on top of ``backbone_options``; a counted ``depth`` over all of them. Every table
+        builds its rows through this."""
+        options = {**(backbone_options or {}), **(self.backbone_options or {})}
+        if depth is not None:
+            options["depth"] = depth
         return build_module(backbone, size, self.stabilizer, self.options, image_size=image_size, device=device,
-                            backbone_options={**(backbone_options or {}), **(self.backbone_options or {})},
-                            compile=compile, in_chans=in_chans, stabilizer_options=self.stabilizer_options)
+                            backbone_options=options, compile=compile, in_chans=in_chans,
+                            stabilizer_options=self.stabilizer_options)
 
 
 CERTIFIED_BASE = "lipschitz_transformer + muon hard_cap"  # the certified losses' cost is taken over it
@@ -335,7 +340,7 @@ def counted(case: Case, backbone: str, size: str, tokens: int, batch: int, preci
     for depth in COUNT_DEPTHS:
         for images_per_step in COUNT_BATCHES:
             module, _ = case.build(backbone, size, image_size=image_size, device=torch.device("cpu"),
-                                   backbone_options={**options, "depth": depth})
+                                   backbone_options=options, depth=depth)
             if case.at_cap:
                 put_weights_at_the_cap(module)
             generator = torch.Generator().manual_seed(0)

@@ -619,8 +619,8 @@ def test_every_table_builds_its_rows_with_the_options_they_name(monkeypatch):
     wanted = None
 
     def recording(*args, **kwargs):  # the row asked for stops the table; the rows it is measured against are built
-        if args[2] == wanted.stabilizer and kwargs["backbone_options"].get("qk_norm") == (wanted.backbone_options or
-                                                                                       {}).get("qk_norm"):
+        if args[2:4] == (wanted.stabilizer, wanted.options) and kwargs["backbone_options"].get("qk_norm") == (
+                wanted.backbone_options or {}).get("qk_norm"):
             raise Built(args, kwargs)
         return build_module(*args, **kwargs)
 
@@ -628,20 +628,24 @@ def test_every_table_builds_its_rows_with_the_options_they_name(monkeypatch):
     monkeypatch.setattr(step_cost, "build_module", recording)
     case = next(c for c in step_cost.CASES if c.label == "lipschitz_transformer + muon + gloro")
     timm = next(c for c in step_cost.CASES if c.backbone_options)
+    capped = next(c for c in step_cost.CASES if c.label == "muon hard_cap")  # options of its own
     calls = {
         "counted": lambda c: step_cost.counted(c, "vit", "micro", 16, 4, "bf16"),
         "measure": lambda c: step_cost.measure("vit", "micro", 16, 4, torch.device("cpu"), 1, "bf16", only=(c.label,)),
         "counts_at": lambda c: compiled_kernels.counts_at(c, "micro", 16, 1, "bf16"),
     }
     for name, call in calls.items():
-        for row in (case, timm):
+        for row in (case, timm, capped):
             wanted = row
             with pytest.raises(Built) as built:
                 call(row)
             args, kwargs = built.value.args
             assert args[2:4] == (row.stabilizer, row.options), name
             assert kwargs["stabilizer_options"] == row.stabilizer_options, name
-            assert row.backbone_options is None or kwargs["backbone_options"].items() >= row.backbone_options.items()
+            assert row.backbone_options is None or kwargs["backbone_options"].items() >= row.backbone_options.items(), \
+                name
+            if name != "measure":  # the counts' depth wins over any option of the row's
+                assert kwargs["backbone_options"]["depth"] in (1, 2), name
 
 
 

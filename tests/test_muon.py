@@ -91,12 +91,15 @@ def test_hard_caps_batched_across_shapes_equal_each_alone(bounded, monkeypatch):
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(alone, planted))
 
 
-def test_hard_caps_refuse_weights_of_mixed_dtypes():
-    """Batched, a float64 matrix would be rounded to the float32 of the others: refused, naming what was given."""
+def test_hard_caps_refuse_weights_of_mixed_dtypes_or_devices():
+    """Batched, mixed dtypes returned a float32 matrix's cap in float64 (or failed in a product of two shapes), and
+    mixed devices cannot be batched: refused, naming what was given; each alone keeps its dtype."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(8, 16, generator=gen), torch.randn(16, 8, generator=gen, dtype=torch.float64)]
     with pytest.raises(ValueError, match=r"one dtype and device; got torch.float32 on cpu, torch.float64 on cpu"):
         constraints.hard_caps(weights, 1.0)
+    with pytest.raises(ValueError, match=r"got torch.float32 on cpu, torch.float32 on meta"):
+        constraints.hard_caps([weights[0], torch.empty(16, 8, device="meta")], 1.0)
     alone = [constraints.hard_caps([w], 1.0)[0] for w in weights]
     assert [a.dtype for a in alone] == [torch.float32, torch.float64]
 

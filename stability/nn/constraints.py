@@ -119,7 +119,8 @@ def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None
     second sign (r × r) runs in one Newton–Schulz batch, each padded with zeros to the largest r. This changes no
     value beyond rounding: each step maps a block-diagonal matrix block by block, and zero rows and columns stay zero.
     On a GPU it is the launches of one shape's iterations instead of one per shape and orientation. All of
-    ``weights`` share one dtype and device (batched, a float64 matrix would be rounded to another's float32)."""
+    ``weights`` share one dtype and device (batched, mixed dtypes promoted a float32 matrix's result to float64, or
+    failed in a product of two)."""
     if any(w.dtype != weights[0].dtype or w.device != weights[0].device for w in weights[1:]):
         kinds = sorted({f"{w.dtype} on {w.device}" for w in weights})
         raise ValueError(f"hard_caps: the weights are batched together and must share one dtype and device; got "
