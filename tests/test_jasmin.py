@@ -205,6 +205,14 @@ def test_the_streamed_gradient_of_either_statistic_alone_equals_the_materialised
     torch.testing.assert_close(gradient(*row_statistics(q, k, 0.7, 3, block=block)), want, rtol=1e-12, atol=1e-12)
 
 
+def test_row_statistics_refuse_queries_and_keys_of_other_leading_shapes():
+    """Flattened into one batch, q (3, 2, N, d) and k (2, 3, M, d) would pair the wrong rows silently: refused."""
+    q, k = torch.randn(3, 2, 5, 4), torch.randn(2, 3, 7, 4)
+    with pytest.raises(ValueError, match=r"same leading dimensions and d; got \(3, 2, 5, 4\) and \(2, 3, 7, 4\)"):
+        row_statistics(q, k, 0.5, 2)
+    assert row_statistics(q, k.transpose(0, 1), 0.5, 2)[1].shape == (3, 2, 5, 2)
+
+
 def test_the_streamed_statistics_copy_nothing_of_the_attention_size():
     """On an attention's permuted bf16 queries and keys, one block: the forward casts q and k once (contiguous, so no
     product copies them again), the backward makes no zero tensor and no copy, and casts only what the attention

@@ -36,6 +36,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from .precision import autocast_off, ieee_float32
@@ -95,6 +96,7 @@ class _RowStatistics(torch.autograd.Function):
         return lse, top, index
 
     @staticmethod
+    @once_differentiable  # a second derivative through this backward would be wrong: refused instead
     def backward(ctx, grad_lse: torch.Tensor | None, grad_top: torch.Tensor | None, _grad_index):
         """Each gradient written once where it starts (no zero tensors, no copies): the top part's products are the
         gradients, and the LSE part is added in place, the attention kernel's bf16 outputs promoted by the addition
@@ -117,6 +119,7 @@ class _RowStatistics(torch.autograd.Function):
                         grad_q = torch.empty_like(q) if grad_q is None else grad_q
                         grad_q[..., start:stop, :] = sparse @ k
                     grad_k = on_keys if grad_k is None else grad_k.add_(on_keys)
+                    del sparse, rows, on_keys  # a block of logits' size: not held into the next or the attention call
         if grad_lse is not None:  # ∂LSE_i/∂s_im = p_im: a fused attention kernel's forward and backward (module doc)
             dtype = low or q.dtype  # bf16 values back in bf16 (exactly): the kernel's fast path
             row_weights = scale * grad_lse[..., None]  # (…, N, 1)
@@ -182,10 +185,14 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
     block = block_rows(q, k) if block is None else block
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) need the same leading dimensions and d; "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
     low = q.dtype if products_exact_in_tf32(q, k) else None
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    # contiguous (an attention's q and k are often permuted views): else every product below copies them first
-    q, k = (x.to(dtype, memory_format=torch.contiguous_format) for x in (q, k))
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+    # a cast writes contiguous values (an attention's q and k are often permuted views: else every product below
+    # copies them first); inputs already of the dtype are kept as they are (a contiguous copy would be saved too)
+    q, k = (x if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format) for x in (q, k))
     lse, top, _ = _RowStatistics.apply(q, k, float(scale), int(count), int(block), low)
     return lse, top
 
