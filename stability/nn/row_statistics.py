@@ -87,8 +87,8 @@ class _RowStatistics(torch.autograd.Function):
                 logits = logits.view(*q.shape[:-2], logits.shape[-2], n_keys)
                 parts.append((logits.logsumexp(-1), *logits.topk(count, dim=-1)))
         # one block (the usual case): its results are the outputs, with no copy into preallocated ones
-        lse, top, index = parts[0] if len(parts) == 1 else (torch.cat(p, -1 if p[0].dim() < q.dim() else -2)
-                                                            for p in zip(*parts))
+        lse, top, index = parts[0] if len(parts) == 1 else (
+            torch.cat([lse for lse, _, _ in parts], -1), *(torch.cat(p, -2) for p in list(zip(*parts))[1:]))
         ctx.save_for_backward(q, k, index)
         ctx.scale, ctx.block, ctx.low = scale, block, low
         ctx.mark_non_differentiable(index)
@@ -106,20 +106,18 @@ class _RowStatistics(torch.autograd.Function):
         grad_q = grad_k = None
         if grad_top is not None:  # the top logits: (count) entries a row, scattered a block of rows at a time
             weights = grad_top * scale  # the logits' scale on (…, N, count) entries, not on the (…, N, d) products
+            on_queries = []  # each block's rows of grad_q (one block: grad_q itself, no copy)
             with _products(q.device.type, low is not None):
                 for start in range(0, q.shape[-2], block):
                     stop = min(start + block, q.shape[-2])
                     rows = index[..., start:stop, :]
                     sparse = q.new_zeros(*rows.shape[:-1], k.shape[-2]).scatter_add_(-1, rows,
                                                                                       weights[..., start:stop, :])
+                    on_queries.append(sparse @ k)
                     on_keys = sparse.transpose(-1, -2) @ q[..., start:stop, :]
-                    if stop - start == q.shape[-2]:
-                        grad_q = sparse @ k
-                    else:
-                        grad_q = torch.empty_like(q) if grad_q is None else grad_q
-                        grad_q[..., start:stop, :] = sparse @ k
                     grad_k = on_keys if grad_k is None else grad_k.add_(on_keys)
                     del sparse, rows, on_keys  # a block of logits' size: not held into the next or the attention call
+            grad_q = on_queries[0] if len(on_queries) == 1 else torch.cat(on_queries, -2)
         if grad_lse is not None:  # ∂LSE_i/∂s_im = p_im: a fused attention kernel's forward and backward (module doc)
             dtype = low or q.dtype  # bf16 values back in bf16 (exactly): the kernel's fast path
             row_weights = scale * grad_lse[..., None]  # (…, N, 1)
