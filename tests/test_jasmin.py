@@ -160,27 +160,53 @@ def test_the_streamed_top_probabilities_of_bf16_values_equal_float64s(scale):
     torch.testing.assert_close(top_probabilities_streamed(q, k, scale, 6).double(), reference, rtol=1e-5, atol=1e-9)
 
 
-def test_the_bf16_gradient_is_within_bf16_rounding_and_a_dropped_term_is_not(monkeypatch):
-    """bf16 queries and keys (as under bf16-mixed): the LSE's gradient runs through the attention kernel in bf16
-    (P rounded to bf16 before P·K): within 2⁻⁶ of the float64 gradient of the same values, relative to its largest
-    entry; the gradient without the LSE's part (a planted error) is ≥ 10× further off."""
+# The LSE's gradient goes through whichever SDPA kernel the device picks, with the keys as the values: each kernel is
+# held to the same bound. On a CPU, math and flash; on a GPU (marked, skipped here) the four CUDA kernels, TF32 on as
+# a GPU training run has it. cuDNN's attention depends on the cuDNN release and the card: skipped where it cannot run.
+SDPA_KERNELS = [("cpu", "MATH"), ("cpu", "FLASH_ATTENTION")] + [
+    pytest.param("cuda", name, marks=pytest.mark.gpu)
+    for name in ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")]
+
+
+@pytest.mark.parametrize("device, kernel", SDPA_KERNELS)
+def test_the_bf16_gradient_is_within_bf16_rounding_and_a_dropped_term_is_not(device, kernel, monkeypatch):
+    """bf16 queries and keys (as under bf16-mixed), TF32 on: the LSE's gradient runs through the attention kernel in
+    bf16 (P·K and Pᵀ·(g·Q) rounded to bf16; the top logits' weights rounded to TF32 in their products): within 2⁻⁶ of
+    the float64 gradient of the same values, relative to its largest entry, on every SDPA kernel; the gradient
+    without the LSE's part (a planted error) is ≥ 10× further off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stability.nn import row_statistics as module
+    from stability.nn.precision import allow_tf32_training
+
     gen = torch.Generator().manual_seed(1)
-    q, k = ((2 * torch.randn(2, 3, 33, 16, generator=gen)).bfloat16() for _ in range(2))
-    weights = torch.randn(2, 3, 33, 6, generator=gen, dtype=torch.float64)
+    q, k = ((2 * torch.randn(2, 3, 33, 16, generator=gen)).bfloat16().to(device) for _ in range(2))
+    weights = torch.randn(2, 3, 33, 6, generator=gen, dtype=torch.float64).to(device)
 
     def gradient(a, b):
         a, b = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
         (top_probabilities_streamed(a, b, 0.25, 6).double() * weights).sum().backward()
         return torch.cat([a.grad.double().flatten(), b.grad.double().flatten()])
 
-    reference = gradient(q.double(), k.double())
+    reference = gradient(q.double(), k.double())  # float64: SDPA's math kernel, whatever is chosen below
     scale = reference.abs().max()
-    assert (gradient(q, k) - reference).abs().max() <= 2 ** -6 * scale
-    from stability.nn import row_statistics as module
-
-    original = module.F.scaled_dot_product_attention
-    monkeypatch.setattr(module.F, "scaled_dot_product_attention", lambda *a, **kw: 0 * original(*a, **kw))
-    assert (gradient(q, k) - reference).abs().max() > 10 * 2 ** -6 * scale
+    precision, convolutions = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    allow_tf32_training()
+    try:
+        with sdpa_kernel(getattr(SDPBackend, kernel)):
+            try:
+                streamed = gradient(q, k)
+            except RuntimeError as error:
+                if kernel == "CUDNN_ATTENTION" and "No viable backend" in str(error):
+                    pytest.skip(f"cuDNN attention cannot run here: {str(error)[:120]}")
+                raise
+            assert (streamed - reference).abs().max() <= 2 ** -6 * scale
+            original = module.F.scaled_dot_product_attention
+            monkeypatch.setattr(module.F, "scaled_dot_product_attention", lambda *a, **kw: 0 * original(*a, **kw))
+            assert (gradient(q, k) - reference).abs().max() > 10 * 2 ** -6 * scale
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = convolutions
 
 
 @pytest.mark.parametrize("block", [5, 64])
