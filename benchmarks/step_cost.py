@@ -21,6 +21,8 @@ operators by their own device time.
 non-matrix operators, matrix FLOPs by precision) and predicts its GPU time with the model fitted to a measured GPU
 table (stability/testing/gpu_model.py; default: the H200's, results/benchmarks/step_cost_cuda_h200.md), or to
 several (``--fit_also COUNTS_JSON=TABLE``: each further table with the counts of the code it measured).
+``--count --host`` also times each row's step at a tiny width on the CPU (its kernels do next to nothing): the host's
+work a step, and its time per launch, which checks the model's host term (launches × a time per launch).
 "spectral_norm project, at the cap" starts from weights with σ₁ = σ_max (every weight is scaled every step:
 the steady state of a run whose weights reached the cap); the plain row starts from the initialisation.
 Its exact check (every ``check_every`` = 100 steps) is timed on its own and shown amortised per step.
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -354,6 +358,40 @@ def counted(case: Case, backbone: str, size: str, tokens: int, batch: int, preci
     return extrapolate(counts, PRESETS[backbone][size]["depth"], batch)
 
 
+HOST_WIDTH, HOST_TOKENS, HOST_BATCH = 4, 4, 2  # per head; a step whose kernels do next to nothing
+
+
+def host_time(case: Case, backbone: str, size: str, precision: str, rounds: int = 5,
+              steps: int = 5) -> tuple[float, float]:
+    """Seconds per step and launches of the case's step at the preset's depth but a tiny width (``HOST_WIDTH`` per
+    head, ``HOST_TOKENS`` tokens, batch ``HOST_BATCH``), on the GPU's code path on the CPU: its kernels do next to
+    nothing, so the time is what the step costs the host (Python, the dispatcher, each operator's call). The model's
+    host term is launches × a time per launch; a row whose time per launch here stands out from the baseline's has
+    host work the counts do not carry (hooks, parametrizations, Python loops). The median of ``rounds`` rounds of
+    ``steps`` steps after three warm-up steps."""
+    image_size, options = geometry(backbone, size, HOST_TOKENS)
+    options["embed_dim"] = HOST_WIDTH * PRESETS[backbone][size]["num_heads"]
+    module, _ = case.build(backbone, size, image_size=image_size, device=torch.device("cpu"), backbone_options=options)
+    if case.at_cap:
+        put_weights_at_the_cap(module)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(HOST_BATCH, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(0, 10, (HOST_BATCH,), generator=generator)
+    index = iter(range(1, CHECK_EVERY))  # never a check step
+    with cuda_path(module):
+        optimizer = module.build_optimizer()
+        for _ in range(3):
+            train_step(module, optimizer, images, labels, precision, next(index))
+        launches = count(partial(train_step, module, optimizer, images, labels, precision, next(index))).launches
+        seconds = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(steps):
+                train_step(module, optimizer, images, labels, precision, next(index))
+            seconds.append((time.perf_counter() - start) / steps)
+    return statistics.median(seconds), launches
+
+
 def measured_table(path: Path) -> dict[str, float]:
     """{stabilizer label: ms / step} of a step_cost.py table."""
     rows = {}
@@ -499,6 +537,18 @@ def count_main(args, precision: str) -> None:
     rows, text = model_rows([c.label for c in cases], counts, measured, as_measured, also)
     header = ["stabilizer", "launches", "GB (non-matrix ops)", "bf16 TFLOP", "tf32 TFLOP", "fp32 TFLOP",
               "H200 ms", "predicted ms", "H200 ratio", "predicted ratio", "leave-one-out error"]
+    if args.host:  # timed, not counted: never kept in <out>.json
+        header += ["host ms (tiny width)", "host µs per launch"]
+        for case, row_cells in zip(cases, rows):
+            seconds, launches = host_time(case, backbone, size, precision)
+            row_cells += [1000 * seconds, 1e6 * seconds / launches]
+            print(f"{case.label}: host {1000 * seconds:.2f} ms a step at width {HOST_WIDTH} a head, "
+                  f"{launches:.0f} launches", flush=True)
+        text += (f"\n\nHost columns (`--host`): each row's step timed on this CPU at the preset's depth but "
+                 f"{HOST_WIDTH} dimensions a head, {HOST_TOKENS} tokens, batch {HOST_BATCH}, on the GPU's code path "
+                 f"(median of 5 rounds of 5 steps): its kernels do next to nothing, so the time is the host's work, "
+                 f"and its time per launch (counted at that shape) checks the model's host term, launches × a time "
+                 f"per launch: a row far above the baseline's has host work its launches do not carry.")
     body = (f"{backbone}:{size}, {tokens} tokens, batch {args.batch}, {precision}: one training step counted on "
             f"the CPU on the GPU's code path (fused AdamW, JaSMin's streamed statistics, a fused attention kernel "
             f"where softcap uses FlexAttention), from steps of {COUNT_DEPTHS} blocks at batch {COUNT_BATCHES} "
@@ -529,6 +579,8 @@ def main() -> None:
     p.add_argument("--profile", default="", help="rows (labels separated by ';') whose step is also profiled: its "
                                                  "operators by their own device time (host time on the CPU)")
     p.add_argument("--recount", action="store_true", help="--count: count again the rows kept in <out>.json")
+    p.add_argument("--host", action="store_true", help="--count: also time each row's step at a tiny width on the "
+                                                       "CPU (the host's work a step) and its time per launch")
     p.add_argument("--fit_also", default=None, help="--count: ';'-separated COUNTS_JSON=TABLE pairs, more GPU tables "
                                                     "to fit the model to, each with the counts of the code it measured")
     p.add_argument("--fit_counts", default=None, help="--count: fit the model to these counts (a <out>.json of the "
@@ -536,6 +588,8 @@ def main() -> None:
     args = p.parse_args()
     for option in ("cases", "compiled", "profile"):  # before the device: a typo fails here, not on the GPU
         case_labels(getattr(args, option), option)
+    if args.host and not args.count:
+        raise SystemExit("--host times the host's work beside --count's counts: give --count too")
     if args.count:
         setup(args)
         args.backbones = args.backbones if args.backbones != "vit,swin,cswin" else "vit:small"

@@ -2,6 +2,7 @@
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -559,6 +560,43 @@ def test_step_cost_writes_nothing_when_cut_before_any_row(benchmark_modules, mon
     monkeypatch.setattr(sys, "argv", ["step_cost.py", "--backbones", "vit:micro", "--tokens", "16", "--out", str(out)])
     assert "nothing written" in str(cut_main(step_cost.main))
     assert out.read_text() == "an earlier table"
+
+
+def test_step_costs_host_time_is_the_steps_and_its_launches_those_of_the_tiny_shape(benchmark_modules, monkeypatch):
+    """``--count --host``: the time is of the case's training steps (a planted 20 ms of host work in each step shows
+    in full), the launches are counted at the tiny shape it times (against a count made here), at the preset's depth
+    and the tiny width (a row built at full width would count the same launches: its width is checked)."""
+    import step_cost
+
+    from stability.testing.gpu_model import count, cuda_path
+
+    case = next(c for c in step_cost.CASES if c.label == "none")
+    built = []
+    original_build = step_cost.Case.build
+    monkeypatch.setattr(step_cost.Case, "build", lambda self, *a, **kw: built.append(kw) or original_build(
+        self, *a, **kw))
+    seconds, launches = step_cost.host_time(case, "vit", "micro", "fp32", rounds=3, steps=2)
+    assert built[0]["backbone_options"]["embed_dim"] == step_cost.HOST_WIDTH * 4 and "depth" not in built[0]
+    image_size, options = step_cost.geometry("vit", "micro", step_cost.HOST_TOKENS)
+    module, _ = case.build("vit", "micro", image_size=image_size, device=torch.device("cpu"),
+                           backbone_options={**options, "embed_dim": step_cost.HOST_WIDTH * 4})
+    images, labels = torch.rand(step_cost.HOST_BATCH, 3, image_size, image_size), torch.tensor([0, 1])
+    with cuda_path(module):
+        optimizer = module.build_optimizer()
+        step_cost.train_step(module, optimizer, images, labels, "fp32", 1)
+        assert launches == count(lambda: step_cost.train_step(module, optimizer, images, labels, "fp32", 2)).launches
+    original_step = step_cost.train_step
+
+    def slower(*args, **kwargs):
+        time.sleep(0.02)
+        return original_step(*args, **kwargs)
+
+    monkeypatch.setattr(step_cost, "train_step", slower)
+    slowed, same = step_cost.host_time(case, "vit", "micro", "fp32", rounds=3, steps=2)
+    assert same == launches and slowed >= 0.02 and slowed > seconds
+    with pytest.raises(SystemExit, match="give --count too"):
+        monkeypatch.setattr(sys, "argv", ["step_cost.py", "--host"])
+        step_cost.main()
 
 
 def test_step_cost_cases_bring_the_rows_their_ratios_need():
