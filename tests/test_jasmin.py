@@ -1,4 +1,6 @@
 """JaSMin: g_k against the exact softmax-Jacobian spectrum (Theorem 4) and the regulariser."""
+import re
+
 import pytest
 import torch
 
@@ -237,6 +239,18 @@ def test_row_statistics_refuse_queries_and_keys_of_other_leading_shapes():
     with pytest.raises(ValueError, match=r"same leading dimensions and d; got \(3, 2, 5, 4\) and \(2, 3, 7, 4\)"):
         row_statistics(q, k, 0.5, 2)
     assert row_statistics(q, k.transpose(0, 1), 0.5, 2)[1].shape == (3, 2, 5, 2)
+
+
+@pytest.mark.parametrize("statistics", [row_statistics, row_statistics_recomputed])
+@pytest.mark.parametrize("q_shape, k_shape", [((2, 0, 4), (2, 5, 4)), ((2, 3, 4), (2, 0, 4)),
+                                              ((0, 3, 4), (0, 5, 4)), ((2, 3, 0), (2, 5, 0))])
+def test_row_statistics_refuse_empty_queries_or_keys_naming_the_shapes(statistics, q_shape, k_shape):
+    """No query row, no key (a row's LSE over nothing is −∞), no batch or no dimension: a clear error with both
+    shapes, with or without an explicit block (they failed in an index, a reshape or a division by zero)."""
+    q, k = torch.randn(q_shape), torch.randn(k_shape)
+    for block in (None, 3):
+        with pytest.raises(ValueError, match=re.escape(f"got {q_shape} and {k_shape}")):
+            statistics(q, k, 0.5, 2, block=block)
 
 
 def test_the_streamed_statistics_copy_nothing_of_the_attention_size():

@@ -151,6 +151,13 @@ def _top_and_lse(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.
     return logits.logsumexp(-1), logits.topk(count, dim=-1).values
 
 
+def _refuse_empty(q: torch.Tensor, k: torch.Tensor) -> None:
+    """A softmax row needs a key (its LSE over no keys is −∞) and the statistics a row: an empty q or k is refused."""
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) must not be empty (every dimension ≥ 1: a "
+                         f"softmax row needs a key); got {tuple(q.shape)} and {tuple(k.shape)}")
+
+
 def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
                               block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_statistics` for a compiled graph: the same LSE and top logits, differentiated by autograd and
@@ -163,6 +170,7 @@ def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, co
     backward's: bf16 / fp16 values multiply exactly under TF32 (the backward's float32 dS is rounded to TF32 there);
     float32 values need IEEE float32 in both passes (:meth:`~stability.stabilizers.jasmin.JaSMin.regulariser_compiled`
     compiles them only where that holds)."""
+    _refuse_empty(q, k)
     block = block_rows(q, k) if block is None else block
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
@@ -180,12 +188,13 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
     (bf16 / fp16 inputs are promoted, and multiplied with the run's TF32 setting: exact); differentiable in q and k.
     ``block`` rows are materialised at a time (default: :func:`block_rows`).
     """
-    block = block_rows(q, k) if block is None else block
-    if count < 1 or block < 1:
-        raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) need the same leading dimensions and d; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    _refuse_empty(q, k)
+    block = block_rows(q, k) if block is None else block
+    if count < 1 or block < 1:
+        raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
     low = q.dtype if products_exact_in_tf32(q, k) else None
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
     # a cast writes contiguous values (an attention's q and k are often permuted views: else every product below
