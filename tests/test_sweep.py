@@ -6,12 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from stability import exit_codes
 from stability.sweep import Spec, Sweep, load_spec
 from stability.sweep import main as sweep_main
 from stability.sweep.runner import child_environment, usable_cores
@@ -295,6 +297,27 @@ def test_a_sigterm_to_the_sweep_stops_its_fits_at_once(tmp_path):
     assert sweep.returncode != 0 and "[completed]" not in output, output
     assert "stopped by SIGTERM before the run ended" in (run / "run.log").read_text()
     assert not (run / "done.json").exists()
+
+
+@pytest.mark.parametrize("code, status", [(0, "completed"), (exit_codes.DIVERGED, "diverged"),
+                                          (exit_codes.INTERRUPTED, "interrupted"), (-signal.SIGTERM, "interrupted")])
+def test_a_run_that_ends_as_the_sweep_is_stopped_is_recorded_as_it_ended(tmp_path, monkeypatch, code, status):
+    """The sweep's SIGTERM arrives while a fit ends: a fit that exits 0 (its test done) or DIVERGED has ended and gets
+    its done.json; one stopped (INTERRUPTED, or killed by the signal) stays pending. A finished run was left pending,
+    and the next sweep tested it again from the start (an official AutoAttack of 80 minutes, for nothing)."""
+    spec = Spec.from_dict({"name": "racing", "args": {}, "seeds": [0]})
+    sweep = Sweep(spec, str(tmp_path / "sweeps"))
+    (run,) = spec.runs()
+
+    def command(run, run_dir):  # the stop comes while the fit ends (after it started: else it is not started)
+        threading.Timer(0.3, setattr, (sweep, "_stopping", True)).start()
+        return [sys.executable, "-c", f"import os, time; time.sleep(1.5); os.kill(os.getpid(), {-code}) if {code} < 0 "
+                                      f"else None; raise SystemExit({max(code, 0)})"]
+
+    monkeypatch.setattr(spec, "command", command)
+    assert sweep._execute_one(run) == status
+    done = sweep.run_dir(run) / "done.json"
+    assert (json.loads(done.read_text())["status"] if done.is_file() else "interrupted") == status
 
 
 def test_fit_ckpt_path_last_continues_the_newest_version(tmp_path, tiny_vit_args, scalars):

@@ -197,7 +197,9 @@ class Sweep:
             if device is not None:
                 self._free_devices.put(device)
         seconds = round(time.time() - started, 1)
-        if self._stopping:
+        # a fit that exits 0 or DIVERGED has ended (a stopped one exits INTERRUPTED): it is recorded even when the
+        # sweep is being stopped, or a run whose test had finished as the stop came would be tested again from the start
+        if self._stopping and code not in (0, exit_codes.DIVERGED):
             return "interrupted"
         if code == exit_codes.INTERRUPTED:  # the run itself was stopped (SIGTERM from outside): not complete
             self._say(f"[interrupted] {run.name}: stopped by SIGTERM ({seconds} s); rerun the sweep to resume it")
