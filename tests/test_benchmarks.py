@@ -563,9 +563,9 @@ def test_step_cost_writes_nothing_when_cut_before_any_row(benchmark_modules, mon
 
 
 def test_step_costs_host_time_is_the_steps_and_its_launches_those_of_the_tiny_shape(benchmark_modules, monkeypatch):
-    """``--count --host``: the time is of the case's training steps (a planted 20 ms of host work in each step shows
-    in full), the launches are counted at the tiny shape it times (against a count made here), at the preset's depth
-    and the tiny width (a row built at full width would count the same launches: its width is checked)."""
+    """``--count --host``: the time is of one of the case's training steps (a planted 20 ms of host work in each step
+    adds 20 ms, not more, not less), at the tiny shape (its images' size, the width it builds), never a check step,
+    and the launches are counted at that shape (against a count made here); ``--host`` alone is refused."""
     import step_cost
 
     from stability.testing.gpu_model import count, cuda_path
@@ -585,15 +585,19 @@ def test_step_costs_host_time_is_the_steps_and_its_launches_those_of_the_tiny_sh
         optimizer = module.build_optimizer()
         step_cost.train_step(module, optimizer, images, labels, "fp32", 1)
         assert launches == count(lambda: step_cost.train_step(module, optimizer, images, labels, "fp32", 2)).launches
-    original_step = step_cost.train_step
+    original_step, steps, shapes = step_cost.train_step, [], set()
 
-    def slower(*args, **kwargs):
+    def slower(module, optimizer, images, labels, precision, step):
+        steps.append(step)
+        shapes.add(tuple(images.shape))
         time.sleep(0.02)
-        return original_step(*args, **kwargs)
+        return original_step(module, optimizer, images, labels, precision, step)
 
     monkeypatch.setattr(step_cost, "train_step", slower)
-    slowed, same = step_cost.host_time(case, "vit", "micro", "fp32", rounds=3, steps=2)
-    assert same == launches and slowed >= 0.02 and slowed > seconds
+    slowed, same = step_cost.host_time(case, "vit", "micro", "fp32", rounds=3, steps=40)  # 124 steps in all
+    assert same == launches and 0.015 < slowed - seconds < 0.03, (slowed, seconds)
+    assert shapes == {(step_cost.HOST_BATCH, 3, image_size, image_size)}
+    assert len(set(steps)) == len(steps) and not [s for s in steps if s % step_cost.CHECK_EVERY == 0]
     with pytest.raises(SystemExit, match="give --count too"):
         monkeypatch.setattr(sys, "argv", ["step_cost.py", "--host"])
         step_cost.main()

@@ -152,10 +152,11 @@ def _top_and_lse(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.
 
 
 def _refuse_empty(q: torch.Tensor, k: torch.Tensor) -> None:
-    """A softmax row needs a key (its LSE over no keys is −∞) and the statistics a row: an empty q or k is refused."""
-    if 0 in q.shape or 0 in k.shape:
-        raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) must not be empty (every dimension ≥ 1: a "
-                         f"softmax row needs a key); got {tuple(q.shape)} and {tuple(k.shape)}")
+    """A softmax row needs a key (its LSE over no keys is −∞), the statistics a row and the products a dimension: q or k
+    with no row, key or dimension is refused (an empty batch is not: empty statistics)."""
+    if 0 in q.shape[-2:] or 0 in k.shape[-2:]:
+        raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) need N, M and d ≥ 1 (a softmax row needs a "
+                         f"key); got {tuple(q.shape)} and {tuple(k.shape)}")
 
 
 def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
