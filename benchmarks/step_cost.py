@@ -336,6 +336,20 @@ NOT_MODELLED = {  # rows whose time the counts cannot carry, and why
 COUNT_DEPTHS, COUNT_BATCHES = (1, 2), (2, 4)  # batch 1 takes special paths (one launch fewer)
 
 
+def step_inputs(case: Case, backbone: str, size: str, image_size: int, options: dict, batch: int,
+                depth: int | None = None):
+    """The case's module on the CPU (its weights at the cap where the case starts there) and a seeded batch of
+    ``batch`` images and labels: what a counted or host-timed step runs on."""
+    module, _ = case.build(backbone, size, image_size=image_size, device=torch.device("cpu"),
+                           backbone_options=options, depth=depth)
+    if case.at_cap:
+        put_weights_at_the_cap(module)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(batch, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(0, 10, (batch,), generator=generator)
+    return module, images, labels
+
+
 def counted(case: Case, backbone: str, size: str, tokens: int, batch: int, precision: str) -> StepCounts:
     """The case's step counted on the GPU's code path (stability/testing/gpu_model.py), at the preset's depth and
     ``batch``, from steps of 1 and 2 blocks at batch 2 and 4."""
@@ -343,13 +357,7 @@ def counted(case: Case, backbone: str, size: str, tokens: int, batch: int, preci
     counts = {}
     for depth in COUNT_DEPTHS:
         for images_per_step in COUNT_BATCHES:
-            module, _ = case.build(backbone, size, image_size=image_size, device=torch.device("cpu"),
-                                   backbone_options=options, depth=depth)
-            if case.at_cap:
-                put_weights_at_the_cap(module)
-            generator = torch.Generator().manual_seed(0)
-            images = torch.rand(images_per_step, 3, image_size, image_size, generator=generator)
-            labels = torch.randint(0, 10, (images_per_step,), generator=generator)
+            module, images, labels = step_inputs(case, backbone, size, image_size, options, images_per_step, depth)
             with cuda_path(module):
                 optimizer = module.build_optimizer()  # fused Adam(W), as on CUDA
                 train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
@@ -361,10 +369,11 @@ def counted(case: Case, backbone: str, size: str, tokens: int, batch: int, preci
 # per head; a step whose kernels do next to nothing, with tokens enough for every row's own path (JaSMin's k + 1 = 11
 # top probabilities of each row: fewer keys would clip and pad them)
 HOST_WIDTH, HOST_TOKENS, HOST_BATCH = 4, 16, 2
+HOST_ROUNDS, HOST_STEPS = 7, 5  # the fastest round is the host's time
 
 
-def host_time(case: Case, backbone: str, size: str, precision: str, rounds: int = 7,
-              steps: int = 5) -> tuple[float, float]:
+def host_time(case: Case, backbone: str, size: str, precision: str, rounds: int = HOST_ROUNDS,
+              steps: int = HOST_STEPS) -> tuple[float, float]:
     """Seconds per step and launches of the case's step at the preset's depth but a tiny width (``HOST_WIDTH`` per
     head, ``HOST_TOKENS`` tokens, batch ``HOST_BATCH``), on the GPU's code path on the CPU: its kernels do next to
     nothing, so the time is what the step costs the host (Python, the dispatcher, each operator's call). The model's
@@ -373,12 +382,7 @@ def host_time(case: Case, backbone: str, size: str, precision: str, rounds: int 
     ``steps`` steps after three warm-up steps (as ``timeit`` reports: other work on the machine only adds time)."""
     image_size, options = geometry(backbone, size, HOST_TOKENS)
     options["embed_dim"] = HOST_WIDTH * PRESETS[backbone][size]["num_heads"]
-    module, _ = case.build(backbone, size, image_size=image_size, device=torch.device("cpu"), backbone_options=options)
-    if case.at_cap:
-        put_weights_at_the_cap(module)
-    generator = torch.Generator().manual_seed(0)
-    images = torch.rand(HOST_BATCH, 3, image_size, image_size, generator=generator)
-    labels = torch.randint(0, 10, (HOST_BATCH,), generator=generator)
+    module, images, labels = step_inputs(case, backbone, size, image_size, options, HOST_BATCH)
     index = (i for i in itertools.count(1) if i % CHECK_EVERY)  # never a check step
     with cuda_path(module):
         optimizer = module.build_optimizer()
@@ -548,7 +552,8 @@ def count_main(args, precision: str) -> None:
                   f"{launches:.0f} launches", flush=True)
         text += (f"\n\nHost columns (`--host`): each row's step timed on this CPU at the preset's depth but "
                  f"{HOST_WIDTH} dimensions a head, {HOST_TOKENS} tokens, batch {HOST_BATCH}, on the GPU's code path "
-                 f"(the fastest of 7 rounds of 5 steps): its kernels do next to nothing, so the time is the host's "
+                 f"(the fastest of {HOST_ROUNDS} rounds of {HOST_STEPS} steps): its kernels do next to nothing, "
+                 f"so the time is the host's "
                  f"work, and its time per launch (counted at that shape) checks the model's host term, launches × a "
                  f"time per launch: a row far above the baseline's has host work its launches do not carry.")
     body = (f"{backbone}:{size}, {tokens} tokens, batch {args.batch}, {precision}: one training step counted on "

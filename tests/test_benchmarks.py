@@ -576,7 +576,7 @@ def test_step_costs_host_time_is_the_steps_and_its_launches_those_of_the_tiny_sh
     monkeypatch.setattr(step_cost.Case, "build", lambda self, *a, **kw: built.append(kw) or original_build(
         self, *a, **kw))
     seconds, launches = step_cost.host_time(case, "vit", "micro", "fp32", rounds=3, steps=2)
-    assert built[0]["backbone_options"]["embed_dim"] == step_cost.HOST_WIDTH * 4 and "depth" not in built[0]
+    assert built[0]["backbone_options"]["embed_dim"] == step_cost.HOST_WIDTH * 4 and built[0].get("depth") is None
     image_size, options = step_cost.geometry("vit", "micro", step_cost.HOST_TOKENS)
     module, _ = case.build("vit", "micro", image_size=image_size, device=torch.device("cpu"),
                            backbone_options={**options, "embed_dim": step_cost.HOST_WIDTH * 4})

@@ -197,14 +197,15 @@ class Sweep:
             if device is not None:
                 self._free_devices.put(device)
         seconds = round(time.time() - started, 1)
-        # a fit that exits 0 or DIVERGED has ended (a stopped one exits INTERRUPTED): it is recorded even when the
-        # sweep is being stopped, or a run whose test had finished as the stop came would be tested again from the start
-        if self._stopping and code not in (0, exit_codes.DIVERGED):
+        ended = code in (0, exit_codes.DIVERGED)  # a stopped fit exits INTERRUPTED (or is killed by the signal)
+        # an ended fit is recorded even when the sweep is being stopped, or a run whose test had finished as the stop
+        # came would be tested again from the start
+        if self._stopping and not ended:
             return "interrupted"
         if code == exit_codes.INTERRUPTED:  # the run itself was stopped (SIGTERM from outside): not complete
             self._say(f"[interrupted] {run.name}: stopped by SIGTERM ({seconds} s); rerun the sweep to resume it")
             return "interrupted"
-        if code in (0, exit_codes.DIVERGED):
+        if ended:
             status = "completed" if code == 0 else "diverged"
             record = {"status": status, "seconds": seconds}
             if status == "diverged" and (run_dir / "diverged.json").is_file():
