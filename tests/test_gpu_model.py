@@ -2,6 +2,8 @@
 product's FLOPs by the precision it runs in, no launch for a view or an allocation, the other operators' bytes —
 the extrapolation over depth and batch is exact, the CUDA path is taken on the CPU, and the fit recovers constants
 that made the data (and fails to when the data are made by another form)."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from stability.classifier import ImageClassifier
 from stability.nn.precision import ieee_float32
 from stability.testing.gpu_model import (
     GpuModel,
+    KernelCounter,
     StepCounts,
     count,
     cuda_path,
@@ -92,6 +95,26 @@ def test_a_products_copy_of_its_input_is_counted_where_cuda_makes_it():
     assert count(lambda: torch.addmm(torch.randn(16)[::2], m, m)).ops["addmm's copy"] == 1  # a strided bias
     assert count(lambda: torch.addmm(bias, m, m, out=torch.empty(8, 8).mT)).ops["addmm's copy"] == 1  # a strided result
     assert count(lambda: torch.addmm(bias, m, m, out=torch.empty(8, 8))).ops["addmm's copy"] == 0
+
+
+def test_logsumexp_is_counted_as_the_kernels_cuda_runs_and_keeps_its_value():
+    """torch's logsumexp has no CUDA kernel: CUDA runs its composite (amax, x − max, exp_, sum, …), six passes over the
+    input where a dispatch mode sees one operator reading it once. The counter counts the parts, and the value is
+    torch's, infinite and empty rows included."""
+    from stability.testing.gpu_model import composite_on_cuda
+
+    assert composite_on_cuda(torch.ops.aten.logsumexp.default)  # a torch with a CUDA kernel for it fails here
+    x = torch.randn(64, 257, generator=torch.Generator().manual_seed(0))
+    x[0, 3], x[1] = math.inf, -math.inf
+    counts = count(lambda: x.logsumexp(-1))
+    assert counts.launches == 9 and counts.ops["amax"] == counts.ops["exp_"] == counts.ops["sum"] == 1
+    assert 5 * x.numel() * 4 <= counts.bytes < 5.1 * x.numel() * 4  # read by amax, sub (and its write), exp_, sum
+    assert count(lambda: x.log_softmax(-1)).launches == 1  # a fused kernel stays one
+    for tensor, dim, keepdim in ((x, -1, False), (x, (0, 1), True), (x, [0], False), (torch.empty(0, 3), -1, False),
+                                 (torch.empty(3, 0), -1, True)):  # no rows; no keys (−∞, as ATen's own branch)
+        with KernelCounter():
+            counted = tensor.logsumexp(dim, keepdim)
+        assert torch.equal(counted, tensor.logsumexp(dim, keepdim))
 
 
 def test_depth_and_batch_extrapolate_exactly():

@@ -304,6 +304,8 @@ def test_the_streamed_statistics_copy_nothing_of_the_attention_size():
     assert ops["_to_copy"] <= 2 + 3 + 2  # forward q, k; backward q, k, weighted q; the gradients back to bf16
     assert not {"clone", "zeros_like", "zeros", "copy_", "empty_like"} & {name for name, n in ops.items() if n}, ops
     assert ops["new_zeros"] == 1 and ops["scatter_add_"] == 1  # the top logits' one sparse block
+    # the LSE from one fused log-softmax (a read and a write of the logits), not logsumexp's six passes on CUDA
+    assert ops["_log_softmax"] == 1 and not ops["amax"] and not ops["exp_"], ops
 
 
 @pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (10, "mean")])

@@ -7,7 +7,8 @@ p₍₁₎ ≥ … ≥ p₍ₖ₊₁₎ (for g₁ and g_k, JaSMin Theorem 4). Wi
 
 so the log-sum-exp and the top-(k+1) logits of each row suffice. :func:`row_statistics` computes
 them a block of rows at a time, keeps only the LSE, the top values and their indices (nothing of size N² is saved
-for the backward pass). The backward pass has two parts:
+for the backward pass); the LSE is s₍₁₎ − log p₍₁₎, from one fused log-softmax (torch's logsumexp, composite on CUDA,
+reads the logits six times). The backward pass has two parts:
 
     ∂/∂s_im = ḡ_LSE,i · p_im + Σ_j ḡ_top,ij · [m = idx_ij],   dq = scale · dS K,  dK = scale · dSᵀ Q.
 
@@ -85,7 +86,7 @@ class _RowStatistics(torch.autograd.Function):
                 # scale·(q kᵀ) in the product itself (its α), not as a pass over q or over the logits
                 logits = torch.baddbmm(ignored, stacked_q[:, start:start + block], keys_t, beta=0, alpha=scale)
                 logits = logits.view(*q.shape[:-2], logits.shape[-2], n_keys)
-                parts.append((logits.logsumexp(-1), *logits.topk(count, dim=-1)))
+                parts.append(_lse_top_and_index(logits, count))
         # one block (the usual case): its results are the outputs, with no copy into preallocated ones
         lse, top, index = parts[0] if len(parts) == 1 else (
             torch.cat([lse for lse, _, _ in parts], -1), *(torch.cat(p, -2) for p in list(zip(*parts))[1:]))
@@ -132,6 +133,15 @@ class _RowStatistics(torch.autograd.Function):
         if grad_q is None:
             grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
         return grad_q, grad_k, None, None, None, None
+
+
+def _lse_top_and_index(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's LSE and its ``count`` largest logits with their indices. The LSE is the largest logit less its log
+    probability, log p₍₁₎ = s₍₁₎ − LSE, which one fused log-softmax gives (a pass over the logits and one write, a
+    kernel): torch's logsumexp is nine kernels on CUDA and six passes (amax, x − max, exp_, sum: ``gpu_model``)."""
+    top, index = logits.topk(count, dim=-1)
+    log_top = logits.log_softmax(-1).gather(-1, index[..., :1])
+    return (top[..., :1] - log_top).squeeze(-1), top, index
 
 
 # the top logits' indices (count a row) are saved, not found again: only the logits and their LSE are recomputed

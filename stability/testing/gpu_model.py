@@ -12,6 +12,10 @@ autograd, forward, backward and optimizer) gives, deterministically:
 * ``bytes`` — what the other operators read and write (their tensors' sizes, inputs and outputs), and the copies
   CUDA's matrix products make inside themselves (:func:`hidden_copy`; a launch each as well).
 
+An operator that CUDA runs as several kernels of its own (it has no CUDA kernel, only a composite one: torch's
+``logsumexp``, six passes over its input in nine kernels) reaches a dispatch mode as one; it is counted by its parts
+(``COMPOSITE_ON_CUDA``).
+
 :func:`cuda_path` makes the CPU take the decisions a GPU takes where they change the count: the fused AdamW kernel,
 JaSMin's streamed row statistics, and a fused attention kernel where softcap uses FlexAttention (counted as one SDPA
 call: the score modification runs inside the kernel). Counts at two batch sizes give each quantity's constant and
@@ -152,10 +156,35 @@ def hidden_copy(func, args: tuple, kwargs: dict, out: Any) -> int:
     return _bytes(self, result)
 
 
+def _logsumexp_as_on_cuda(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """torch's logsumexp as CUDA runs it, operator by operator (``logsumexp_out_impl``,
+    aten/src/ATen/native/ReduceOps.cpp, torch 2.x): six passes over its input where it reaches a dispatch mode as one
+    operator reading it once."""
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if x.numel() == 0:  # no max to take (ATen's own branch)
+        return torch.exp(x).sum(dims, keepdim).log_()
+    maxes = torch.amax(x, dims, True)
+    squeezed = maxes if keepdim else maxes.squeeze(dims)
+    squeezed.masked_fill_(squeezed.abs() == math.inf, 0)
+    return (x - maxes).exp_().sum(dims, keepdim).log_().add_(squeezed)
+
+
+# operators that CUDA runs as several kernels (no CUDA kernel of their own, a composite one), counted by their parts
+COMPOSITE_ON_CUDA = {"logsumexp": _logsumexp_as_on_cuda}
+
+
+def composite_on_cuda(func) -> bool:
+    """Whether CUDA runs ``func`` as its parts: a ``COMPOSITE_ON_CUDA`` operator with no CUDA kernel of its own (where
+    a later torch gives it one, it is counted as one operator again)."""
+    packet = func.overloadpacket
+    return (packet.__name__ in COMPOSITE_ON_CUDA and func._overloadname == "default"
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(packet._qualified_op_name, "CUDA"))
+
+
 class KernelCounter(TorchDispatchMode):
-    """Counts a step's launches, matrix FLOPs by precision and the other operators' bytes (module docstring), and
-    the copies CUDA's matrix products make inside themselves (:func:`hidden_copy`: a launch and its bytes each,
-    counted as ``<operator>'s copy``)."""
+    """Counts a step's launches, matrix FLOPs by precision and the other operators' bytes (module docstring), the
+    copies CUDA's matrix products make inside themselves (:func:`hidden_copy`: a launch and its bytes each, counted as
+    ``<operator>'s copy``), and the parts of an operator CUDA runs as several (``COMPOSITE_ON_CUDA``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,8 +192,11 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        if composite_on_cuda(func):
+            with self:  # its parts reach this counter, each a kernel as on CUDA
+                return COMPOSITE_ON_CUDA[name](*args, **kwargs)
+        out = func(*args, **kwargs)
         if name in SYNCS:
             self.counts.syncs += 1
         if func.is_view or name in NO_KERNEL:
