@@ -111,10 +111,22 @@ def test_logsumexp_is_counted_as_the_kernels_cuda_runs_and_keeps_its_value():
     assert 5 * x.numel() * 4 <= counts.bytes < 5.1 * x.numel() * 4  # read by amax, sub (and its write), exp_, sum
     assert count(lambda: x.log_softmax(-1)).launches == 1  # a fused kernel stays one
     for tensor, dim, keepdim in ((x, -1, False), (x, (0, 1), True), (x, [0], False), (torch.empty(0, 3), -1, False),
-                                 (torch.empty(3, 0), -1, True)):  # no rows; no keys (−∞, as ATen's own branch)
+                                 (torch.empty(3, 0), -1, True),  # no rows; no keys (−∞, as ATen's own branch)
+                                 (torch.arange(6).view(2, 3), -1, False)):  # integers: cast, as ATen does
         with KernelCounter():
             counted = tensor.logsumexp(dim, keepdim)
         assert torch.equal(counted, tensor.logsumexp(dim, keepdim))
+
+
+def test_a_gather_moves_its_index_and_what_it_picks_not_its_whole_input():
+    """CUDA's gather and index_select read one input element per output element: a row's largest logit picked from an
+    N × N map moves N indices and 2N values, not the map."""
+    logits = torch.randn(6, 257, 257, generator=torch.Generator().manual_seed(0))
+    index = logits.argmax(-1, keepdim=True)
+    assert count(lambda: logits.gather(-1, index)).bytes == index.numel() * (8 + 2 * 4)
+    rows = torch.tensor([3, 1, 4])
+    assert count(lambda: logits[0].index_select(0, rows)).bytes == 3 * 8 + 2 * 3 * 257 * 4
+    assert count(lambda: logits.exp()).bytes == 2 * logits.numel() * 4  # any other operator: its tensors whole
 
 
 def test_depth_and_batch_extrapolate_exactly():

@@ -12,6 +12,7 @@ autograd, forward, backward and optimizer) gives, deterministically:
 * ``bytes`` — what the other operators read and write (their tensors' sizes, inputs and outputs), and the copies
   CUDA's matrix products make inside themselves (:func:`hidden_copy`; a launch each as well).
 
+A gather or an index_select moves its index and what it picks, not its whole input (``READS_WHAT_IT_PICKS``).
 An operator that CUDA runs as several kernels of its own (it has no CUDA kernel, only a composite one: torch's
 ``logsumexp``, six passes over its input in nine kernels) reaches a dispatch mode as one; it is counted by its parts
 (``COMPOSITE_ON_CUDA``).
@@ -159,8 +160,10 @@ def hidden_copy(func, args: tuple, kwargs: dict, out: Any) -> int:
 def _logsumexp_as_on_cuda(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
     """torch's logsumexp as CUDA runs it, operator by operator (``logsumexp_out_impl``,
     aten/src/ATen/native/ReduceOps.cpp, torch 2.x): six passes over its input where it reaches a dispatch mode as one
-    operator reading it once."""
+    operator reading it once. (``out=`` calls are left to ATen: counted as one operator.)"""
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if not x.is_floating_point():  # ATen's cast of integer inputs
+        x = x.to(torch.get_default_dtype())
     if x.numel() == 0:  # no max to take (ATen's own branch)
         return torch.exp(x).sum(dims, keepdim).log_()
     maxes = torch.amax(x, dims, True)
@@ -171,6 +174,16 @@ def _logsumexp_as_on_cuda(x: torch.Tensor, dim, keepdim: bool = False) -> torch.
 
 # operators that CUDA runs as several kernels (no CUDA kernel of their own, a composite one), counted by their parts
 COMPOSITE_ON_CUDA = {"logsumexp": _logsumexp_as_on_cuda}
+
+
+# operators whose CUDA kernel reads only the elements it picks (one per output, and the index), not the whole input
+READS_WHAT_IT_PICKS = {"gather", "index_select"}
+
+
+def _picked_bytes(args: tuple, kwargs: dict, out: Any) -> int:
+    """What a gather or an index_select moves: its index, the elements it reads (as many as it writes), its output."""
+    index = kwargs.get("index", args[2] if len(args) > 2 else None)
+    return _bytes(index) + 2 * _bytes(out)
 
 
 def composite_on_cuda(func) -> bool:
@@ -208,6 +221,8 @@ class KernelCounter(TorchDispatchMode):
         if flops is not None:
             dtype = next(_tensors(args)).dtype
             counts.flops[matmul_precision(dtype)] = counts.flops.get(matmul_precision(dtype), 0.0) + flops
+        elif name in READS_WHAT_IT_PICKS:
+            counts.bytes += _picked_bytes(args, kwargs, out)
         else:
             counts.bytes += _bytes(args, kwargs, out)
         copied = hidden_copy(func, args, kwargs, out)
