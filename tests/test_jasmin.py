@@ -285,11 +285,14 @@ def test_row_statistics_refuse_no_rows_keys_or_dimensions_and_keep_an_empty_batc
         assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
-def test_the_streamed_statistics_copy_nothing_of_the_attention_size():
+def test_the_streamed_statistics_copy_nothing_of_the_attention_size(monkeypatch):
     """On an attention's permuted bf16 queries and keys, one block: the forward casts q and k once (contiguous, so no
-    product copies them again), the backward makes no zero tensor and no copy, and casts only what the attention
-    kernel takes in bf16 (q, k, the weighted queries). Counted as a GPU step counts them; the earlier code (eight
-    casts, four copies inside the products, two zero tensors, in-place sums into them) fails."""
+    product copies them again), the backward makes no zero tensor and no copy: the attention kernel takes q and k as
+    they came, and the gradients' last sums write them in bf16 (``out=``). Counted as a GPU step counts them; the
+    earlier code (seven casts: q and k back to bf16, the weighted queries, the gradients) fails. The LSE from one
+    fused log-softmax (a read and a write of the logits, not logsumexp's six passes on CUDA); where CUDA's flash kernel
+    gives it (the count's stand-in, the CPU's flash kernel on the same q and k), no pass over the logits at all."""
+    from stability.nn import row_statistics as module
     from stability.testing.gpu_model import count
 
     gen = torch.Generator().manual_seed(0)
@@ -301,11 +304,78 @@ def test_the_streamed_statistics_copy_nothing_of_the_attention_size():
         (top_probabilities_streamed(q, k, 0.25, 4) * weights).sum().backward()
 
     ops = count(step).ops
-    assert ops["_to_copy"] <= 2 + 3 + 2  # forward q, k; backward q, k, weighted q; the gradients back to bf16
+    assert ops["_to_copy"] == 2, ops  # the forward's q and k, to float32
     assert not {"clone", "zeros_like", "zeros", "copy_", "empty_like"} & {name for name, n in ops.items() if n}, ops
     assert ops["new_zeros"] == 1 and ops["scatter_add_"] == 1  # the top logits' one sparse block
-    # the LSE from one fused log-softmax (a read and a write of the logits), not logsumexp's six passes on CUDA
     assert ops["_log_softmax"] == 1 and not ops["amax"] and not ops["exp_"], ops
+    assert ops["_scaled_dot_product_flash_attention_for_cpu"] == 1  # the backward's P·K
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    monkeypatch.setattr(module, "attention_lse", lambda a, b, scale: flash(a, b, b, scale=scale)[1])
+    fused = count(step).ops
+    assert not fused["_log_softmax"] and fused["_scaled_dot_product_flash_attention_for_cpu"] == 2, fused
+    assert fused["_to_copy"] == 2 and fused["maximum"] == 1, fused
+
+
+def exact_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """The rows' LSE in float64, rounded once to float32: a stand-in for CUDA's flash kernel as exact as it can be."""
+    return (scale * q.double() @ k.double().mT).logsumexp(-1).float()
+
+
+@pytest.mark.parametrize("scale", [0.25, 1 / 32 ** 0.5])
+def test_an_lse_from_the_attention_kernel_gives_the_same_statistics_and_gradient(scale, monkeypatch):
+    """Where the attention kernel gives the rows' LSE (CUDA's flash kernel; here an exact stand-in), bf16 queries and
+    keys give the top probabilities of float64 to float32 rounding, and their gradient within the bf16 bound of the
+    log-softmax path (:func:`bf16_gradient_bound`); an LSE off by 1e-4 (a planted error) fails; an LSE below the
+    largest logit (rounding in a row that one key dominates) is raised to it: no probability above 1. Float32 and
+    float64 values never ask the kernel (their products are IEEE float32 at least, the kernel's are not)."""
+    from stability.nn import row_statistics as module
+
+    gen = torch.Generator().manual_seed(2)
+    q, k = ((3 * torch.randn(2, 3, 40, 32, generator=gen)).bfloat16() for _ in range(2))
+    weights = torch.randn(2, 3, 40, 6, generator=gen)
+    reference = top_probabilities(torch.softmax(scale * q.double() @ k.double().mT, dim=-1), 6)
+
+    def run():
+        a, b = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        top = top_probabilities_streamed(a, b, scale, 6)
+        (top * weights).sum().backward()
+        return top.detach(), torch.cat([a.grad.float().flatten(), b.grad.float().flatten()])
+
+    monkeypatch.setattr(module, "attention_lse", exact_lse)
+    top, gradient = run()
+    torch.testing.assert_close(top.double(), reference, rtol=1e-5, atol=1e-9)
+    reference_gradient, bound = bf16_gradient_bound(q, k, weights.double(), scale, 6)
+    assert float(((gradient.double() - reference_gradient).abs() / bound).max()) <= 1
+    monkeypatch.setattr(module, "attention_lse", lambda a, b, s: exact_lse(a, b, s) + 1e-4)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(run()[0].double(), reference, rtol=1e-5, atol=1e-9)
+    monkeypatch.setattr(module, "attention_lse", lambda a, b, s: exact_lse(a, b, s) - 1.0)
+    assert float(run()[0].max()) <= 1.0
+
+    def refuse(*args):
+        raise AssertionError("asked the attention kernel for float32 or float64 values")
+
+    monkeypatch.setattr(module, "attention_lse", refuse)
+    for dtype in (torch.float32, torch.float64):
+        top_probabilities_streamed(q.to(dtype), k.to(dtype), scale, 6)
+
+
+@pytest.mark.gpu
+def test_the_flash_kernels_lse_is_float32s_and_a_wrong_scale_is_not():
+    """On CUDA, bf16 queries and keys of a ViT head (64 wide): the flash kernel gives the rows' LSE, equal to float64's
+    of the same values within 1e-5 of max(|LSE|, 1) (float32 rounding, as logsumexp's); with the scale off by 1e-4 (a
+    planted error) it is not. A width SDPA would pad (not a multiple of 8) and float32 values are refused (None)."""
+    from stability.nn.row_statistics import attention_lse
+
+    gen = torch.Generator().manual_seed(3)
+    for spread in (1.0, 3.0):
+        q, k = ((spread * torch.randn(4, 6, 257, 64, generator=gen)).bfloat16().cuda() for _ in range(2))
+        want = (0.125 * q.double() @ k.double().mT).logsumexp(-1)
+        tolerance = 1e-5 * want.abs().clamp_min(1)
+        assert float(((attention_lse(q, k, 0.125).double() - want).abs() / tolerance).max()) <= 1
+        assert float(((attention_lse(q, k, 0.125 * (1 + 1e-4)).double() - want).abs() / tolerance).max()) > 1
+    assert attention_lse(q[..., :60], k[..., :60], 0.125) is None
+    assert attention_lse(q.float(), k.float(), 0.125) is None
 
 
 @pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (10, "mean")])

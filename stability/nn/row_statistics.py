@@ -7,8 +7,9 @@ p₍₁₎ ≥ … ≥ p₍ₖ₊₁₎ (for g₁ and g_k, JaSMin Theorem 4). Wi
 
 so the log-sum-exp and the top-(k+1) logits of each row suffice. :func:`row_statistics` computes
 them a block of rows at a time, keeps only the LSE, the top values and their indices (nothing of size N² is saved
-for the backward pass); the LSE is s₍₁₎ − log p₍₁₎, from one fused log-softmax (torch's logsumexp, composite on CUDA,
-reads the logits six times). The backward pass has two parts:
+for the backward pass). The LSE comes, on CUDA with bf16 / fp16 queries and keys, from the flash attention kernel
+(:func:`attention_lse`: no pass over the logits), elsewhere as s₍₁₎ − log p₍₁₎ from one fused log-softmax (torch's
+logsumexp, composite on CUDA, reads the logits six times). The backward pass has two parts:
 
     ∂/∂s_im = ḡ_LSE,i · p_im + Σ_j ḡ_top,ij · [m = idx_ij],   dq = scale · dS K,  dK = scale · dSᵀ Q.
 
@@ -24,10 +25,11 @@ A block holds as many rows as fit in ``BLOCK_BYTES`` of float32 logits (all rows
 The logits are float32, whatever the training precision: the probabilities come from two separately rounded
 numbers, exp(s₍ⱼ₎ − LSE), and in bfloat16 (8-bit mantissa) each is off by about |s|·2⁻⁸, enough for p₍₁₎ to pass
 1 and for 1 − p₍₁₎ + p₍₂₎ to cancel. Under mixed precision the queries and keys arrive as bf16 (or fp16) values,
-whose products are exact in TF32 (10 mantissa bits) as in IEEE float32, with float32 sums: their products run with
-the run's TF32 setting (the matrix units' float32 speed on a GPU), and the LSE's gradient goes through the attention
-kernel in their own dtype (its products exact, its P·K rounded as the model's attention rounds it). Queries and keys
-that are float32 values (an fp32 run) are multiplied in IEEE float32, TF32 off. Autocast is off throughout.
+whose products are exact in TF32 (10 mantissa bits) as in IEEE float32, with float32 sums: cast once to float32 for
+the logits, their products run with the run's TF32 setting (the matrix units' float32 speed on a GPU); the attention
+kernel takes them as they came (its products exact, its P·K rounded as the model's attention rounds it), and the
+gradients are written in their dtype by the last sums (no cast after them). Queries and keys that are float32 values
+(an fp32 run) are multiplied in IEEE float32, TF32 off. Autocast is off throughout.
 """
 from __future__ import annotations
 
@@ -73,24 +75,52 @@ def block_rows(q: torch.Tensor, k: torch.Tensor, budget: int = BLOCK_BYTES) -> i
     return max(1, min(q.shape[-2], budget // per_row))
 
 
+def attention_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Each row's LSE, log Σ_m exp(scale · q_i·k_m), in float32 (B, H, N), from CUDA's flash attention kernel (the keys
+    as the values), which computes it anyway: a pass over q and k on the matrix units where a log-softmax reads and
+    writes the (B, H, N, M) float32 logits. Its products are exact on bf16 / fp16 values and summed in float32, its
+    exponentials float32's (≈ 1e-6 of the LSE, as logsumexp's rounding). None where SDPA's own check refuses flash
+    attention (dtype, head width, card), for widths SDPA pads first (not a multiple of 8), for q not 4-D, and off
+    CUDA: the CPU's flash kernel loses 2⁻¹⁴ of the LSE on bf16 inputs (measured), the log-softmax does not."""
+    if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] % 8:
+        return None
+    if not torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, False,
+                                                                                        False)):
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, k, scale=scale)[1]
+
+
 class _RowStatistics(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int, low: torch.dtype | None):
+        """q, k as the caller has them (an attention's bf16 views under mixed precision): cast once to float32 (at
+        least) for the logits, and kept as they are for the attention kernel, in this pass and the backward."""
         n_rows, n_keys = q.shape[-2], k.shape[-2]
         count = min(count, n_keys)
-        stacked_q, keys_t = q.reshape(-1, n_rows, q.shape[-1]), k.reshape(-1, n_keys, k.shape[-1]).transpose(-1, -2)
-        ignored = q.new_empty(())  # β = 0: the product's input is never read
+        wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+        # a cast writes contiguous values (an attention's q and k are often permuted views: else every product below
+        # copies them first); inputs already of the dtype are kept as they are (a contiguous copy would be saved too)
+        q_wide, k_wide = (x if x.dtype == wide else x.to(wide, memory_format=torch.contiguous_format) for x in (q, k))
+        stacked_q = q_wide.reshape(-1, n_rows, q.shape[-1])
+        keys_t = k_wide.reshape(-1, n_keys, k.shape[-1]).transpose(-1, -2)
+        ignored = q_wide.new_empty(())  # β = 0: the product's input is never read
         parts = []
         with _products(q.device.type, low is not None):
+            fused_lse = attention_lse(q, k, scale) if low is not None else None
             for start in range(0, n_rows, block):
                 # scale·(q kᵀ) in the product itself (its α), not as a pass over q or over the logits
                 logits = torch.baddbmm(ignored, stacked_q[:, start:start + block], keys_t, beta=0, alpha=scale)
                 logits = logits.view(*q.shape[:-2], logits.shape[-2], n_keys)
-                parts.append(_lse_top_and_index(logits, count))
+                if fused_lse is None:
+                    parts.append(_lse_top_and_index(logits, count))
+                else:
+                    top, index = logits.topk(count, dim=-1)
+                    # LSE ≥ the largest logit (p₍₁₎ ≤ 1), which the kernel's rounding need not keep
+                    parts.append((torch.maximum(fused_lse[..., start:start + block], top[..., 0]), top, index))
         # one block (the usual case): its results are the outputs, with no copy into preallocated ones
         lse, top, index = parts[0] if len(parts) == 1 else (
             torch.cat([lse for lse, _, _ in parts], -1), *(torch.cat(p, -2) for p in list(zip(*parts))[1:]))
-        ctx.save_for_backward(q, k, index)
+        ctx.save_for_backward(q, k, q_wide, k_wide, index)
         ctx.scale, ctx.block, ctx.low = scale, block, low
         ctx.mark_non_differentiable(index)
         ctx.set_materialize_grads(False)  # no zero tensor for the indices' gradient (nor for an unused output's)
@@ -100,9 +130,9 @@ class _RowStatistics(torch.autograd.Function):
     @once_differentiable  # a second derivative through this backward would be wrong: refused instead
     def backward(ctx, grad_lse: torch.Tensor | None, grad_top: torch.Tensor | None, _grad_index):
         """Each gradient written once where it starts (no zero tensors, no copies): the top part's products are the
-        gradients, and the LSE part is added in place, the attention kernel's bf16 outputs promoted by the addition
-        itself (its values in float32 are the same as after a cast)."""
-        q, k, index = ctx.saved_tensors
+        gradients in float32, and the LSE part's last operation writes them in q's and k's dtypes (an ``out=`` of
+        that dtype: the sum in float32, rounded once as a cast after it would round it)."""
+        q, k, q_wide, k_wide, index = ctx.saved_tensors
         scale, block, low = ctx.scale, ctx.block, ctx.low
         grad_q = grad_k = None
         if grad_top is not None:  # the top logits: (count) entries a row, scattered a block of rows at a time
@@ -112,27 +142,37 @@ class _RowStatistics(torch.autograd.Function):
                 for start in range(0, q.shape[-2], block):
                     stop = min(start + block, q.shape[-2])
                     rows = index[..., start:stop, :]
-                    sparse = q.new_zeros(*rows.shape[:-1], k.shape[-2]).scatter_add_(-1, rows,
-                                                                                      weights[..., start:stop, :])
-                    on_queries.append(sparse @ k)
-                    on_keys = sparse.transpose(-1, -2) @ q[..., start:stop, :]
+                    sparse = q_wide.new_zeros(*rows.shape[:-1], k.shape[-2]).scatter_add_(-1, rows,
+                                                                                           weights[..., start:stop, :])
+                    on_queries.append(sparse @ k_wide)
+                    on_keys = sparse.transpose(-1, -2) @ q_wide[..., start:stop, :]
                     grad_k = on_keys if grad_k is None else grad_k.add_(on_keys)
                     del sparse, rows, on_keys  # a block of logits' size: not held into the next or the attention call
             grad_q = on_queries[0] if len(on_queries) == 1 else torch.cat(on_queries, -2)
         if grad_lse is not None:  # ∂LSE_i/∂s_im = p_im: a fused attention kernel's forward and backward (module doc)
-            dtype = low or q.dtype  # bf16 values back in bf16 (exactly): the kernel's fast path
+            # bf16 values as they came (the kernel's fast path); other values in the float32 (at least) of the logits
+            queries, keys = (x.detach() for x in ((q, k) if low is not None else (q_wide, k_wide)))
             row_weights = scale * grad_lse[..., None]  # (…, N, 1)
+            weighted = torch.mul(queries, row_weights, out=_like(queries))  # scale·g·Q, rounded once to its dtype
             with torch.enable_grad(), _products(q.device.type, low is not None):
-                keys = k.detach().to(dtype)
-                values = keys.detach().requires_grad_(True)  # the keys as the values: one cast serves both
-                attended = F.scaled_dot_product_attention(q.detach().to(dtype), keys, values, scale=scale)  # P·K
-                (transposed,) = torch.autograd.grad(attended, values, (row_weights * q).to(dtype))  # Pᵀ·(scale·g·Q)
+                values = keys.detach().requires_grad_(True)  # the keys as the values
+                attended = F.scaled_dot_product_attention(queries, keys, values, scale=scale)  # P·K
+                (transposed,) = torch.autograd.grad(attended, values, weighted)  # Pᵀ·(scale·g·Q)
             attended = attended.detach()
-            grad_q = (attended * row_weights).to(q.dtype) if grad_q is None else grad_q.addcmul_(attended, row_weights)
-            grad_k = transposed.to(k.dtype) if grad_k is None else grad_k.add_(transposed)
+            grad_q = (torch.mul(attended, row_weights, out=_like(q)) if grad_q is None
+                      else torch.addcmul(grad_q, attended, row_weights, out=_like(q)))
+            grad_k = transposed.to(k.dtype) if grad_k is None else torch.add(grad_k, transposed, out=_like(k))
+        elif grad_q is not None:
+            grad_q, grad_k = grad_q.to(q.dtype), grad_k.to(k.dtype)
         if grad_q is None:
             grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
         return grad_q, grad_k, None, None, None, None
+
+
+def _like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous tensor of x's shape, dtype and device: the ``out=`` of an operation that computes in
+    float32 and writes x's dtype (one kernel where an operation and a cast after it are two)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _lse_top_and_index(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,10 +247,6 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
     low = q.dtype if products_exact_in_tf32(q, k) else None
-    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
-    # a cast writes contiguous values (an attention's q and k are often permuted views: else every product below
-    # copies them first); inputs already of the dtype are kept as they are (a contiguous copy would be saved too)
-    q, k = (x if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format) for x in (q, k))
     lse, top, _ = _RowStatistics.apply(q, k, float(scale), int(count), int(block), low)
     return lse, top
 

@@ -269,27 +269,35 @@ def extrapolate(counts: dict[tuple[int, int], StepCounts], depth: int, batch: in
 @contextlib.contextmanager
 def cuda_path(module) -> Iterator[None]:
     """The CPU takes the GPU's decisions for ``module`` inside the block: the fused Adam(W) kernel (set before its
-    optimizer is built), the stabilizers' CUDA choices (JaSMin streams its row statistics), and a fused attention
-    kernel where softcap would use FlexAttention (one SDPA call of the same shapes: the cap runs inside the GPU's
-    kernel)."""
+    optimizer is built), the stabilizers' CUDA choices (JaSMin streams its row statistics, their LSE from the flash
+    kernel: the CPU's flash kernel of the same shapes), and a fused attention kernel where softcap would use
+    FlexAttention (one SDPA call of the same shapes: the cap runs inside the GPU's kernel)."""
     from .. import optim
-    from ..nn import dot_attention
+    from ..nn import dot_attention, row_statistics
 
-    saved = (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention)
+    saved = (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
+             row_statistics.attention_lse)
 
     def fused_sdpa(q, k, v, scale, cap, compiled=True, backend="inductor"):
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
+    def flash_lse(q, k, scale):  # where CUDA's flash kernel takes q and k (4-D, widths it needs no padding for)
+        if q.dim() != 4 or q.shape[-1] % 8:
+            return None
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k, scale=scale)[1]
+
     optim.fused_allowed = lambda params, precision=None: bool(params)
     dot_attention.flex_trains_on = lambda device: True
     dot_attention.softcapped_attention = fused_sdpa
+    row_statistics.attention_lse = flash_lse
     for stabilizer in module.stabilizers:
         stabilizer.on_device(torch.device("cuda"))
     module._stabilizers_device = torch.device("cpu")  # the module does not ask again on the CPU tensors
     try:
         yield
     finally:
-        optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention = saved
+        (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
+         row_statistics.attention_lse) = saved
 
 
 # ------------------------------------------------------------------------------------------------------- the model
