@@ -61,6 +61,7 @@ from stability.testing.gpu_model import (
     NOMINAL_H200,
     PEAK_H200,
     PRECISIONS,
+    GpuModel,
     StepCounts,
     count,
     cuda_path,
@@ -408,30 +409,19 @@ def measured_table(path: Path) -> dict[str, float]:
     return rows
 
 
-def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[str, float],
-               as_measured: dict[str, StepCounts] | None = None,
-               also: list[tuple[str, dict[str, StepCounts], dict[str, float]]] = ()) -> tuple[list, str]:
-    """The table of counts, measured and predicted times and ratios, and a paragraph on the fit. The model is fitted
-    to ``as_measured`` (the counts of the code the GPU table measured) where given, else to ``counts``; and to the
-    rows of each further GPU table in ``also`` (its name, the counts of the code it measured, its times), a
-    stabilizer's rows of every table left out together in the leave-one-out error."""
-    rows_of_fit = labels if as_measured is None else list(as_measured)  # every row the GPU table has counts for
-    as_measured = as_measured or counts
-    fitted = [label for label in rows_of_fit if label in measured and label not in NOT_MODELLED]
-    data = [as_measured[label] for label in fitted]
-    seconds = [measured[label] / 1000 for label in fitted]
-    names, groups, tables = list(fitted), list(fitted), [None] * len(fitted)  # tables: None for the first
-    for name, more_counts, more_measured in also:
-        for label in more_counts:
-            if label in more_measured and label not in NOT_MODELLED:
-                data.append(more_counts[label])
-                seconds.append(more_measured[label] / 1000)
-                names.append(f"{label} ({name})")
-                groups.append(label)
-                tables.append(name)
-    # a precision's throughput is fitted only where its FLOPs differ between rows by ≥ 5% of a step's: otherwise the
-    # table cannot tell it from the constant part of every step, and it stays at the data sheet's value × 0.6; so
-    # does one that the fit drives to the data sheet's peak (the rows would have it faster: they do not determine it)
+def modelled_rows(labels, measured: dict[str, float]) -> list[str]:
+    """The rows of ``labels`` a GPU table fits the model to: those it measured, less the ones the model does not
+    model (``NOT_MODELLED``)."""
+    return [label for label in labels if label in measured and label not in NOT_MODELLED]
+
+
+def fit_forms(data: list[StepCounts], seconds: list[float], groups: list[str], names: list[str]) -> tuple[str, dict]:
+    """Each form of the model fitted to the rows, with its leave-one-out errors (by ``names``; the rows of one group
+    left out together), and the form whose median error is the lower: ``(form, {form: (model, errors, fitted
+    precisions, fixed rates, precisions held)})``. A precision's throughput is fitted only where its FLOPs differ
+    between rows by ≥ 5% of a step's: otherwise the table cannot tell it from the constant part of every step, and it
+    stays at the data sheet's value × 0.6; so does one that the fit drives to the data sheet's peak (the rows would
+    have it faster: they do not determine it)."""
     total = sum(c.total_flops() for c in data) / len(data)
     used = [p for p in PRECISIONS if max(c.flops.get(p, 0.0) for c in data) - min(c.flops.get(p, 0.0) for c in data)
             >= 0.05 * total]
@@ -449,6 +439,39 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
         errors = dict(zip(names, leave_one_out(data, seconds, form, fixed, groups, PEAK_H200)))
         results[form] = (model, errors, fitted_here, fixed, held)
     form = min(FORMS, key=lambda f: sorted(abs(e) for e in results[f][1].values())[len(names) // 2])
+    return form, results
+
+
+def table_model(counts: dict[str, StepCounts], measured: dict[str, float]) -> GpuModel:
+    """The model fitted to one GPU table (``measured``, ms by row) and the counts of the code it measured, as
+    :func:`model_rows` fits it: what ``gpu_model.FITTED`` ships for the first H200 table."""
+    labels = modelled_rows(counts, measured)
+    form, results = fit_forms([counts[label] for label in labels], [measured[label] / 1000 for label in labels],
+                              labels, labels)
+    return results[form][0]
+
+
+def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[str, float],
+               as_measured: dict[str, StepCounts] | None = None,
+               also: list[tuple[str, dict[str, StepCounts], dict[str, float]]] = ()) -> tuple[list, str]:
+    """The table of counts, measured and predicted times and ratios, and a paragraph on the fit. The model is fitted
+    to ``as_measured`` (the counts of the code the GPU table measured) where given, else to ``counts``; and to the
+    rows of each further GPU table in ``also`` (its name, the counts of the code it measured, its times), a
+    stabilizer's rows of every table left out together in the leave-one-out error."""
+    rows_of_fit = labels if as_measured is None else list(as_measured)  # every row the GPU table has counts for
+    as_measured = as_measured or counts
+    fitted = modelled_rows(rows_of_fit, measured)
+    data = [as_measured[label] for label in fitted]
+    seconds = [measured[label] / 1000 for label in fitted]
+    names, groups, tables = list(fitted), list(fitted), [None] * len(fitted)  # tables: None for the first
+    for name, more_counts, more_measured in also:
+        for label in modelled_rows(more_counts, more_measured):
+            data.append(more_counts[label])
+            seconds.append(more_measured[label] / 1000)
+            names.append(f"{label} ({name})")
+            groups.append(label)
+            tables.append(name)
+    form, results = fit_forms(data, seconds, groups, names)
     model, errors, used, fixed, held = results[form]
     reference = {case.label: case.reference for case in CASES}
     rows = []

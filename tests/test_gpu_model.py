@@ -14,6 +14,7 @@ from stability.testing.gpu_model import (
     GpuModel,
     KernelCounter,
     StepCounts,
+    composite_on_cuda,
     count,
     cuda_path,
     extrapolate,
@@ -101,8 +102,6 @@ def test_logsumexp_is_counted_as_the_kernels_cuda_runs_and_keeps_its_value():
     """torch's logsumexp has no CUDA kernel: CUDA runs its composite (amax, x − max, exp_, sum, …), six passes over the
     input where a dispatch mode sees one operator reading it once. The counter counts the parts, and the value is
     torch's, infinite and empty rows included."""
-    from stability.testing.gpu_model import composite_on_cuda
-
     assert composite_on_cuda(torch.ops.aten.logsumexp.default)  # a torch with a CUDA kernel for it fails here
     x = torch.randn(64, 257, generator=torch.Generator().manual_seed(0))
     x[0, 3], x[1] = math.inf, -math.inf

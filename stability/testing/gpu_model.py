@@ -186,10 +186,11 @@ def _picked_bytes(args: tuple, kwargs: dict, out: Any) -> int:
     return _bytes(index) + 2 * _bytes(out)
 
 
-def composite_on_cuda(func) -> bool:
+def composite_on_cuda(func, packet=None) -> bool:
     """Whether CUDA runs ``func`` as its parts: a ``COMPOSITE_ON_CUDA`` operator with no CUDA kernel of its own (where
-    a later torch gives it one, it is counted as one operator again)."""
-    packet = func.overloadpacket
+    a later torch gives it one, it is counted as one operator again); ``packet``: its overload packet, where the caller
+    has it."""
+    packet = packet or func.overloadpacket
     return (packet.__name__ in COMPOSITE_ON_CUDA and func._overloadname == "default"
             and not torch._C._dispatch_has_kernel_for_dispatch_key(packet._qualified_op_name, "CUDA"))
 
@@ -205,8 +206,9 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if composite_on_cuda(func):
+        packet = func.overloadpacket
+        name = packet.__name__
+        if composite_on_cuda(func, packet):
             with self:  # its parts reach this counter, each a kernel as on CUDA
                 return COMPOSITE_ON_CUDA[name](*args, **kwargs)
         out = func(*args, **kwargs)
