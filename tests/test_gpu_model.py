@@ -128,6 +128,23 @@ def test_a_gather_moves_its_index_and_what_it_picks_not_its_whole_input():
     assert count(lambda: logits.exp()).bytes == 2 * logits.numel() * 4  # any other operator: its tensors whole
 
 
+def test_a_scatter_moves_what_it_writes_and_a_fill_reads_nothing():
+    """An in-place scatter moves its index, its source and one destination element per index entry (written, or read
+    and written where it adds), not the N × N destination; ``zeros_like`` and ``new_zeros`` take a tensor for its shape
+    only: their output is all they move. Charging the whole destination or the template (the counter before) fails."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 257, 257, generator=gen)
+    index = logits.topk(11, dim=-1).indices
+    weights = torch.randn(6, 257, 11, generator=gen)
+    sparse = torch.zeros_like(logits)
+    assert count(lambda: sparse.scatter_add_(-1, index, weights)).bytes == index.numel() * (8 + 4 + 2 * 4)
+    assert count(lambda: sparse.scatter_(-1, index, weights)).bytes == index.numel() * (8 + 4 + 4)
+    assert count(lambda: sparse.scatter_(-1, index, 1.0)).bytes == index.numel() * (8 + 4)
+    assert count(lambda: torch.zeros_like(logits)).bytes == logits.numel() * 4
+    assert count(lambda: weights.new_zeros(6, 257, 257)).bytes == logits.numel() * 4
+    assert count(lambda: sparse.add_(1.0)).bytes == logits.numel() * 4  # any other in-place operator: its tensor once
+
+
 def test_depth_and_batch_extrapolate_exactly():
     """Counts made bilinear in depth and batch are recovered anywhere from the four corners."""
     def made(depth, batch):

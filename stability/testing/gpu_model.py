@@ -12,7 +12,9 @@ autograd, forward, backward and optimizer) gives, deterministically:
 * ``bytes`` — what the other operators read and write (their tensors' sizes, inputs and outputs), and the copies
   CUDA's matrix products make inside themselves (:func:`hidden_copy`; a launch each as well).
 
-A gather or an index_select moves its index and what it picks, not its whole input (``READS_WHAT_IT_PICKS``).
+A gather or an index_select moves its index and what it picks, not its whole input (``READS_WHAT_IT_PICKS``); an
+in-place scatter its index, its source and the elements it writes (``WRITES_WHAT_IT_PICKS``); ``zeros_like`` and its
+kin their output only (``WRITES_ONLY``).
 An operator that CUDA runs as several kernels of its own (it has no CUDA kernel, only a composite one: torch's
 ``logsumexp``, six passes over its input in nine kernels) reaches a dispatch mode as one; it is counted by its parts
 (``COMPOSITE_ON_CUDA``).
@@ -186,6 +188,22 @@ def _picked_bytes(args: tuple, kwargs: dict, out: Any) -> int:
     return _bytes(index) + 2 * _bytes(out)
 
 
+# operators that take a tensor for its shape and dtype only: they write their output and read nothing
+WRITES_ONLY = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
+
+# in-place scatters: CUDA's kernel reads the index and the source and writes (adds into: reads and writes) one element
+# of the destination per index entry, not the whole destination
+WRITES_WHAT_IT_PICKS = {"scatter_": 1, "scatter_add_": 2}
+
+
+def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int:
+    """What an in-place scatter moves: its index, its source (a tensor, or a number), and the destination's elements it
+    writes (``scatter_``) or reads and writes (``scatter_add_``), one per index entry."""
+    self, index = args[0], kwargs.get("index", args[2])
+    source = kwargs.get("src", kwargs.get("value", args[3] if len(args) > 3 else None))
+    return _bytes(index, source) + WRITES_WHAT_IT_PICKS[name] * index.numel() * self.element_size()
+
+
 def composite_on_cuda(func, packet=None) -> bool:
     """Whether CUDA runs ``func`` as its parts: a ``COMPOSITE_ON_CUDA`` operator with no CUDA kernel of its own (where
     a later torch gives it one, it is counted as one operator again); ``packet``: its overload packet, where the caller
@@ -225,6 +243,10 @@ class KernelCounter(TorchDispatchMode):
             counts.flops[matmul_precision(dtype)] = counts.flops.get(matmul_precision(dtype), 0.0) + flops
         elif name in READS_WHAT_IT_PICKS:
             counts.bytes += _picked_bytes(args, kwargs, out)
+        elif name in WRITES_WHAT_IT_PICKS:
+            counts.bytes += _scattered_bytes(name, args, kwargs)
+        elif name in WRITES_ONLY:
+            counts.bytes += _bytes(out)
         else:
             counts.bytes += _bytes(args, kwargs, out)
         copied = hidden_copy(func, args, kwargs, out)
@@ -350,11 +372,12 @@ START = np.log([1e-5, 3e-6, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
 
 # the model fitted to the H200 table (results/benchmarks/step_cost_cuda_h200.md: ViT-S, 256 tokens, batch 256, bf16,
 # eager, torch 2.11, 2026-11-27) by `python benchmarks/step_cost.py --count` (results/benchmarks/step_model_h200.md:
-# 22 rows, the products' copies counted, logsumexp by its CUDA kernels; leave-one-out error median 11%); bf16 and TF32
-# throughputs at NOMINAL_H200 (the table cannot tell them). tests/test_benchmarks.py refits it from those counts.
-FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.626e12,
-                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.627e13},
-                           form="overlap", kernel_s=5.776e-6)}
+# 22 rows, the products' copies counted, logsumexp by its CUDA kernels, scatters and fills by what they write;
+# leave-one-out error median 12%); bf16 and TF32 throughputs at NOMINAL_H200 (the table cannot tell them).
+# tests/test_benchmarks.py refits it from those counts.
+FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.618e12,
+                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.535e13},
+                           form="overlap", kernel_s=5.621e-6)}
 
 
 def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
