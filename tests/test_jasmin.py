@@ -108,6 +108,7 @@ from stability.nn.row_statistics import (  # noqa: E402
     top_probabilities_streamed,
 )
 from stability.nn.softmax_bounds import top_probabilities  # noqa: E402
+from stability.testing import fake_gpu  # noqa: E402
 
 
 def test_row_statistics_equal_the_materialised_softmax_and_pass_gradcheck():
@@ -358,6 +359,32 @@ def test_an_lse_from_the_attention_kernel_gives_the_same_statistics_and_gradient
     monkeypatch.setattr(module, "attention_lse", refuse)
     for dtype in (torch.float32, torch.float64):
         top_probabilities_streamed(q.to(dtype), k.to(dtype), scale, 6)
+
+
+@pytest.mark.skipif(not fake_gpu.SUPPORTED, reason="fake CUDA tensors without a GPU need torch >= 2.11")
+@pytest.mark.parametrize("flash", [True, False])
+def test_the_cuda_branch_runs_on_fake_cuda_tensors(flash, monkeypatch):
+    """The forward's CUDA branch, run on fake CUDA tensors of a ViT-S layer (no GPU: shapes, dtypes and the private
+    operator's signature, which no CPU run reaches otherwise): where SDPA's check takes flash attention (patched:
+    the real check asks the card), the LSE is the flash kernel's, float32 (B, H, N), and no log-softmax runs; where
+    the check refuses it, or the width is one SDPA pads (60), the log-softmax gives it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stability.nn import row_statistics as module
+
+    asked, fallbacks = [], []
+    original = module._lse_top_and_index
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention",
+                        lambda params, debug=False: asked.append(params) or flash)
+    monkeypatch.setattr(module, "_lse_top_and_index", lambda *a: fallbacks.append(a) or original(*a))
+    with fake_gpu.fake_h200(), FakeTensorMode():
+        for width in (64, 60):
+            q, k = (torch.empty(4, 6, 257, width, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            lse, top = row_statistics(q, k, 0.125, 11)
+            assert lse.shape == (4, 6, 257) and lse.dtype == torch.float32 and lse.device.type == "cuda"
+            assert top.shape == (4, 6, 257, 11) and top.dtype == torch.float32
+    assert len(asked) == 1  # the width of 60 is not asked: SDPA pads it before its flash call
+    assert len(fallbacks) == (1 if flash else 2)
 
 
 @pytest.mark.gpu
