@@ -32,6 +32,36 @@ def test_center_norm_jacobian_norm_is_d_over_d_minus_1_times_gamma(dim, gamma):
     torch.testing.assert_close(jacrev(norm)(torch.randn(dim, dtype=torch.float64)), jac)  # constant Jacobian
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_center_norm_and_its_gradients_equal_the_formula(dtype, tolerance):
+    """CN(x) = γ ⊙ (D/(D−1))·(x − mean(x)) + β and its gradients in x, γ and β, against autograd through the formula
+    written out; the formula with β dropped or with D/(D+1) (planted errors) fails."""
+    gen = torch.Generator().manual_seed(0)
+    norm = CenterNorm(12).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(12, generator=gen, dtype=dtype))
+        norm.bias.copy_(torch.randn(12, generator=gen, dtype=dtype))
+    x = (3 + torch.randn(2, 5, 12, generator=gen, dtype=dtype)).requires_grad_(True)  # a mean away from 0
+    upstream = torch.randn(2, 5, 12, generator=gen, dtype=dtype)
+
+    def outputs_and_gradients(function):
+        out = function(x)
+        return [out, *torch.autograd.grad(out, (x, norm.weight, norm.bias), upstream, allow_unused=True)]
+
+    def formula(inputs, scale=12 / 11, with_bias=True):
+        out = norm.weight * scale * (inputs - inputs.mean(-1, keepdim=True))
+        return out + norm.bias if with_bias else out + 0 * norm.bias
+
+    def close(got, want):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * float(b.abs().max()))
+
+    close(outputs_and_gradients(norm), outputs_and_gradients(formula))
+    for planted in (lambda t: formula(t, scale=12 / 13), lambda t: formula(t, with_bias=False)):
+        with pytest.raises(AssertionError):
+            close(outputs_and_gradients(norm), outputs_and_gradients(planted))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_center_norm_bound_holds_for_unequal_gamma(seed):
     gen = torch.Generator().manual_seed(seed)
