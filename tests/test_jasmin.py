@@ -1,5 +1,6 @@
 """JaSMin: g_k against the exact softmax-Jacobian spectrum (Theorem 4) and the regulariser."""
 import re
+import warnings
 
 import pytest
 import torch
@@ -152,13 +153,15 @@ def test_row_statistics_blocks_fill_their_budget_and_multiply_fp32_values_in_iee
     assert seen == ["high", "highest"]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("scale", [0.25, 1 / 32 ** 0.5])  # a power of two (q scaled first) and one that is not
-def test_the_streamed_top_probabilities_of_bf16_values_equal_float64s(scale):
+def test_the_streamed_top_probabilities_of_bf16_values_equal_float64s(scale, device):
     """bf16 queries and keys: the streamed float32 statistics equal float64's of the same values to float32
     rounding (1e-5 relative: a logit of size |s| rounds by |s|·2⁻²⁴ in float32, and exp(s − LSE) carries it), whatever
-    the scale (a scale that is not a power of two is applied to the products, not to q)."""
+    the scale (a scale that is not a power of two is applied to the products, not to q); on a GPU with the LSE from
+    the flash kernel (32 wide: SDPA takes flash), end to end."""
     gen = torch.Generator().manual_seed(2)
-    q, k = ((3 * torch.randn(2, 3, 40, 32, generator=gen)).bfloat16() for _ in range(2))
+    q, k = ((3 * torch.randn(2, 3, 40, 32, generator=gen)).bfloat16().to(device) for _ in range(2))
     reference = top_probabilities(torch.softmax(scale * q.double() @ k.double().mT, dim=-1), 6)
     torch.testing.assert_close(top_probabilities_streamed(q, k, scale, 6).double(), reference, rtol=1e-5, atol=1e-9)
 
@@ -362,45 +365,82 @@ def test_an_lse_from_the_attention_kernel_gives_the_same_statistics_and_gradient
 
 
 @pytest.mark.skipif(not fake_gpu.SUPPORTED, reason="fake CUDA tensors without a GPU need torch >= 2.11")
-@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("flash", [True, False, "changed"])
 def test_the_cuda_branch_runs_on_fake_cuda_tensors(flash, monkeypatch):
     """The forward's CUDA branch, run on fake CUDA tensors of a ViT-S layer (no GPU: shapes, dtypes and the private
     operator's signature, which no CPU run reaches otherwise): where SDPA's check takes flash attention (patched:
     the real check asks the card), the LSE is the flash kernel's, float32 (B, H, N), and no log-softmax runs; where
-    the check refuses it, or the width is one SDPA pads (60), the log-softmax gives it."""
+    the check refuses it, or the width is one SDPA pads (60), the log-softmax gives it; where a torch changed the
+    private API (a TypeError), a warning says so and the log-softmax gives it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from stability.nn import row_statistics as module
 
     asked, fallbacks = [], []
     original = module._lse_top_and_index
-    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention",
-                        lambda params, debug=False: asked.append(params) or flash)
+    def check(params, debug=False):
+        asked.append(params)
+        if flash == "changed":
+            raise TypeError("SDPAParams(): incompatible constructor arguments")
+        return flash
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", check)
     monkeypatch.setattr(module, "_lse_top_and_index", lambda *a: fallbacks.append(a) or original(*a))
-    with fake_gpu.fake_h200(), FakeTensorMode():
+    with fake_gpu.fake_h200(), FakeTensorMode(), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         for width in (64, 60):
             q, k = (torch.empty(4, 6, 257, width, dtype=torch.bfloat16, device="cuda") for _ in range(2))
             lse, top = row_statistics(q, k, 0.125, 11)
             assert lse.shape == (4, 6, 257) and lse.dtype == torch.float32 and lse.device.type == "cuda"
             assert top.shape == (4, 6, 257, 11) and top.dtype == torch.float32
     assert len(asked) == 1  # the width of 60 is not asked: SDPA pads it before its flash call
-    assert len(fallbacks) == (1 if flash else 2)
+    assert len(fallbacks) == (1 if flash is True else 2)
+    assert any("flash kernel's log-sum-exp is unavailable" in str(w.message) for w in warned) == (flash == "changed")
+
+
+def lse_error_in_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error of ``got`` against the float64 ``want``, in float32 ulps of max(|LSE|, 1)."""
+    ulp = torch.finfo(torch.float32).eps * torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1))))
+    return float(((got.double() - want).abs() / ulp).max())
+
+
+LSE_ULPS = 8  # float32's logsumexp errs by ≈ 1-2 ulps; a flash kernel's approximate exp2 and log add a few
+
+
+def bf16_queries_and_keys(spread: float, device: str = "cpu", width: int = 64):
+    gen = torch.Generator().manual_seed(3)
+    return [(spread * torch.randn(4, 6, 257, width, generator=gen)).bfloat16().to(device) for _ in range(2)]
+
+
+@pytest.mark.parametrize("spread", [1.0, 3.0])
+def test_the_lse_tolerance_passes_float32s_logsumexp_and_fails_the_cpus_flash_kernel(spread):
+    """The GPU test's bound on the flash kernel's LSE (below), calibrated here: float32's own logsumexp of the same
+    bf16 values is within it; the CPU's flash kernel (2⁻¹⁴ of the LSE on bf16 inputs, which the statistics refuse) and
+    an LSE 4e-5 off are not."""
+    q, k = bf16_queries_and_keys(spread)
+    want = (0.125 * q.double() @ k.double().mT).logsumexp(-1)
+    float32 = (0.125 * q.float() @ k.float().mT).logsumexp(-1)
+    assert lse_error_in_ulps(float32, want) <= LSE_ULPS
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k, scale=0.125)[1]
+    assert lse_error_in_ulps(cpu_flash, want) > LSE_ULPS
+    assert lse_error_in_ulps(float32 + 4e-5, want) > LSE_ULPS
 
 
 @pytest.mark.gpu
 def test_the_flash_kernels_lse_is_float32s_and_a_wrong_scale_is_not():
-    """On CUDA, bf16 queries and keys of a ViT head (64 wide): the flash kernel gives the rows' LSE, equal to float64's
-    of the same values within 1e-5 of max(|LSE|, 1) (float32 rounding, as logsumexp's); with the scale off by 1e-4 (a
-    planted error) it is not. A width SDPA would pad (not a multiple of 8) and float32 values are refused (None)."""
+    """On CUDA, bf16 queries and keys of a ViT head (64 wide): the flash kernel gives the rows' LSE within
+    ``LSE_ULPS`` float32 ulps of float64's of the same values (the bound float32's logsumexp meets and the CPU's flash
+    kernel fails, above); with the scale off by 1e-4 or the LSE 4e-5 off (planted errors) it is not. A width SDPA
+    would pad (not a multiple of 8) and float32 values are refused (None)."""
     from stability.nn.row_statistics import attention_lse
 
-    gen = torch.Generator().manual_seed(3)
     for spread in (1.0, 3.0):
-        q, k = ((spread * torch.randn(4, 6, 257, 64, generator=gen)).bfloat16().cuda() for _ in range(2))
+        q, k = bf16_queries_and_keys(spread, "cuda")
         want = (0.125 * q.double() @ k.double().mT).logsumexp(-1)
-        tolerance = 1e-5 * want.abs().clamp_min(1)
-        assert float(((attention_lse(q, k, 0.125).double() - want).abs() / tolerance).max()) <= 1
-        assert float(((attention_lse(q, k, 0.125 * (1 + 1e-4)).double() - want).abs() / tolerance).max()) > 1
+        got = attention_lse(q, k, 0.125)
+        assert lse_error_in_ulps(got, want) <= LSE_ULPS
+        assert lse_error_in_ulps(got + 4e-5, want) > LSE_ULPS
+        assert lse_error_in_ulps(attention_lse(q, k, 0.125 * (1 + 1e-4)), want) > LSE_ULPS
     assert attention_lse(q[..., :60], k[..., :60], 0.125) is None
     assert attention_lse(q.float(), k.float(), 0.125) is None
 

@@ -198,10 +198,13 @@ WRITES_WHAT_IT_PICKS = {"scatter_": 1, "scatter_add_": 2}
 
 def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int:
     """What an in-place scatter moves: its index, its source (a tensor, or a number), and the destination's elements it
-    writes (``scatter_``) or reads and writes (``scatter_add_``), one per index entry."""
-    self, index = args[0], kwargs.get("index", args[2])
+    writes (``scatter_``) or reads and writes (``scatter_add_``, or ``scatter_`` with a ``reduce``), one per index
+    entry."""
+    self = args[0]
+    index = kwargs["index"] if "index" in kwargs else args[2]
     source = kwargs.get("src", kwargs.get("value", args[3] if len(args) > 3 else None))
-    return _bytes(index, source) + WRITES_WHAT_IT_PICKS[name] * index.numel() * self.element_size()
+    passes = 2 if "reduce" in kwargs or len(args) > 4 else WRITES_WHAT_IT_PICKS[name]
+    return _bytes(index, source) + passes * index.numel() * self.element_size()
 
 
 def composite_on_cuda(func, packet=None) -> bool:
