@@ -352,6 +352,17 @@ def diverged(trainer):
     return monitor.detector if monitor is not None and monitor.diverged else None
 
 
+def release_process_group() -> None:
+    """Tear the distributed process group down while the interpreter is fully alive, once every process has finished
+    its subcommand. Lightning leaves it to the process's exit, where gloo's worker threads can still hold tensors
+    whose release needs the interpreter being torn down: the process aborts ("terminate called without an active
+    exception", status −6: a finished DDP run read as a crash). torch asks for ``destroy_process_group`` before exit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in ("sweep", "report"):  # our own subcommands, beside Lightning's
@@ -369,6 +380,7 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"stability: error: {err}\n(set STABILITY_TRACEBACK=1 to see where it was raised)", file=sys.stderr)
         raise SystemExit(exit_codes.BAD_INPUT) from None
+    release_process_group()  # every process got here: its subcommand returned (errors above leave it to the exit)
     detector = diverged(cli.trainer)
     if detector is not None:
         print(f"stability: run diverged at step {detector.diverged_at_step}: {detector.reason}; "

@@ -222,6 +222,32 @@ def test_the_best_checkpoint_follows_a_measurement_at_its_own_cadence(tmp_path, 
     assert (checkpoints / "results_best.json").is_file()
 
 
+def test_a_finished_run_tears_its_process_group_down(monkeypatch):
+    """Once a subcommand returns, ``main`` destroys the distributed process group while the interpreter is alive:
+    left to the exit, gloo's threads can abort a finished DDP run (status −6, "terminate called without an active
+    exception", seen in CI). One gloo process stands in for a DDP run; a main without the release leaves it up."""
+    import torch.distributed as dist
+
+    from stability import cli
+
+    class Finished:  # a subcommand that initialised a process group and returned
+        def __init__(self, args=None):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self.trainer = None
+
+    monkeypatch.setattr(cli, "StabilityCLI", Finished)
+    monkeypatch.setattr(cli, "diverged", lambda trainer: None)
+    try:
+        main(["fit"])
+        assert not dist.is_initialized()
+        monkeypatch.setattr(cli, "release_process_group", lambda: None)  # the planted error: no release
+        main(["fit"])
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_the_best_checkpoint_of_a_measurement_under_ddp(tmp_path, tiny_vit_args):
     """Two processes (CPU, gloo): the measurements log on the first only, whose value decides on both, so the fit
     saves best.ckpt and finishes (a process without the value used to raise while the other waited)."""

@@ -35,6 +35,7 @@ SCRIPT = textwrap.dedent('''
     if trainer.is_global_zero:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         json.dump(metrics, open(sys.argv[1], "w"))
+    torch.distributed.destroy_process_group()  # as `stability` does: gloo left to the exit can abort the process
 ''')
 
 
