@@ -76,6 +76,12 @@ def block_rows(q: torch.Tensor, k: torch.Tensor, budget: int = BLOCK_BYTES) -> i
     return max(1, min(q.shape[-2], budget // per_row))
 
 
+def flash_shape(q: torch.Tensor) -> bool:
+    """Whether CUDA's flash kernel takes queries of q's shape as they are: (B, H, N, d), d a multiple of 8 (SDPA pads
+    other widths before its flash call)."""
+    return q.dim() == 4 and q.shape[-1] % 8 == 0
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Each row's LSE, log Σ_m exp(scale · q_i·k_m), in float32 (B, H, N), from CUDA's flash attention kernel (the keys
     as the values), which computes it anyway: a pass over q and k on the matrix units where a log-softmax reads and
@@ -84,7 +90,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tenso
     check refuses flash attention (dtype, head width, card), for widths SDPA pads first (not a multiple of 8), for q
     not 4-D, off CUDA (the CPU's flash kernel loses 2⁻¹⁴ of the LSE on bf16 inputs, measured; the log-softmax does
     not), and, with a warning, where a torch changes the private operator's signature."""
-    if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] % 8:
+    if q.device.type != "cuda" or not flash_shape(q):
         return None
     try:
         if not torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, False,
@@ -160,26 +166,22 @@ class _RowStatistics(torch.autograd.Function):
             # bf16 values as they came (the kernel's fast path); other values in the float32 (at least) of the logits
             queries, keys = (x.detach() for x in ((q, k) if low is not None else (q_wide, k_wide)))
             row_weights = scale * grad_lse[..., None]  # (…, N, 1)
-            weighted = torch.mul(queries, row_weights, out=_like(queries))  # scale·g·Q, rounded once to its dtype
+            # scale·g·Q, rounded once to its dtype: an out= of that dtype (new_empty: contiguous, uninitialised)
+            weighted = torch.mul(queries, row_weights, out=queries.new_empty(queries.shape))
             with torch.enable_grad(), _products(q.device.type, low is not None):
                 values = keys.detach().requires_grad_(True)  # the keys as the values
                 attended = F.scaled_dot_product_attention(queries, keys, values, scale=scale)  # P·K
                 (transposed,) = torch.autograd.grad(attended, values, weighted)  # Pᵀ·(scale·g·Q)
             attended = attended.detach()
-            grad_q = (torch.mul(attended, row_weights, out=_like(q)) if grad_q is None
-                      else torch.addcmul(grad_q, attended, row_weights, out=_like(q)))
-            grad_k = transposed.to(k.dtype) if grad_k is None else torch.add(grad_k, transposed, out=_like(k))
+            grad_q = (torch.mul(attended, row_weights, out=q.new_empty(q.shape)) if grad_q is None
+                      else torch.addcmul(grad_q, attended, row_weights, out=q.new_empty(q.shape)))
+            grad_k = (transposed.to(k.dtype) if grad_k is None
+                      else torch.add(grad_k, transposed, out=k.new_empty(k.shape)))
         elif grad_q is not None:
             grad_q, grad_k = grad_q.to(q.dtype), grad_k.to(k.dtype)
         if grad_q is None:
             grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
         return grad_q, grad_k, None, None, None, None
-
-
-def _like(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialised contiguous tensor of x's shape, dtype and device: the ``out=`` of an operation that computes in
-    float32 and writes x's dtype (one kernel where an operation and a cast after it are two)."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _lse_top_and_index(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -207,11 +207,10 @@ def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int:
     return _bytes(index, source) + passes * index.numel() * self.element_size()
 
 
-def composite_on_cuda(func, packet=None) -> bool:
+def composite_on_cuda(func) -> bool:
     """Whether CUDA runs ``func`` as its parts: a ``COMPOSITE_ON_CUDA`` operator with no CUDA kernel of its own (where
-    a later torch gives it one, it is counted as one operator again); ``packet``: its overload packet, where the caller
-    has it."""
-    packet = packet or func.overloadpacket
+    a later torch gives it one, it is counted as one operator again)."""
+    packet = func.overloadpacket
     return (packet.__name__ in COMPOSITE_ON_CUDA and func._overloadname == "default"
             and not torch._C._dispatch_has_kernel_for_dispatch_key(packet._qualified_op_name, "CUDA"))
 
@@ -227,9 +226,8 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        packet = func.overloadpacket
-        name = packet.__name__
-        if composite_on_cuda(func, packet):
+        name = func.overloadpacket.__name__
+        if composite_on_cuda(func):
             with self:  # its parts reach this counter, each a kernel as on CUDA
                 return COMPOSITE_ON_CUDA[name](*args, **kwargs)
         out = func(*args, **kwargs)
@@ -308,8 +306,8 @@ def cuda_path(module) -> Iterator[None]:
     def fused_sdpa(q, k, v, scale, cap, compiled=True, backend="inductor"):
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
-    def flash_lse(q, k, scale):  # where CUDA's flash kernel takes q and k (4-D, widths it needs no padding for)
-        if q.dim() != 4 or q.shape[-1] % 8:
+    def flash_lse(q, k, scale):  # where CUDA's flash kernel takes q and k as they are
+        if not row_statistics.flash_shape(q):
             return None
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k, scale=scale)[1]
 
