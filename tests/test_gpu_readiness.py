@@ -17,6 +17,7 @@ runs them there), where ``torch.cuda.set_sync_debug_mode("error")`` catches ever
 and Lightning's included.
 """
 import collections
+import contextlib
 import copy
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ from stability.nn.softmax_bounds import top_probabilities
 from stability.stabilizers import REGISTRY
 from stability.stabilizers.muon import NS_COEFFICIENTS, newton_schulz_bound
 from stability.testing import parity
+from stability.testing.cuda_autocast import cuda_autocast
 
 # heads at least 16 wide everywhere: the narrowest FlexAttention compiles on CUDA (softcap's fused path)
 BACKBONES = {"vit": (8, dict(embed_dim=32, depth=2, num_heads=2)),
@@ -161,13 +163,15 @@ def test_streamed_row_statistics_are_float32_under_bf16_autocast():
 LOSS_TOLERANCE = {"task": 5e-3, CROSS_ENTROPY: 5e-3, "jasmin": 2e-2, "specformer": 1e-6, "z_loss": 1e-2}
 
 
+@pytest.mark.parametrize("lists", ["cpu", "cuda"])
 @pytest.mark.parametrize("stabilizer, backbone", CASES + [("jasmin", "vit-streamed")])
-def test_each_stabilizers_loss_under_bf16_autocast_against_float32(stabilizer, backbone):
+def test_each_stabilizers_loss_under_bf16_autocast_against_float32(stabilizer, backbone, lists):
     """Relative differences: the task loss within 5e-3 (the forward itself runs in bf16); Specformer's penalty,
     which reads only the weights, within 1e-6; JaSMin's within 2e-2 at attention logits up to ~±30 (its own
     arithmetic is float32; the queries, keys and, on the materialised path, the logits are the bf16 forward's
     — measured 9e-3 there, 1e-4 streamed); the margin's bound within 1e-6; the z-loss (float32 log²Z of the bf16
-    forward's logits: twice the task's relative error) within 1e-2."""
+    forward's logits: twice the task's relative error) within 1e-2. Under the CPU's autocast lists and under CUDA's
+    (stability/testing/cuda_autocast.py: what a GPU's bf16-mixed training casts, which differs)."""
     streamed = backbone.endswith("-streamed")
     backbone = backbone.removesuffix("-streamed")
     options = {"jasmin": {"lam": 1.0, "k": 10, "row_statistics": "streamed" if streamed else "materialized"}} \
@@ -186,7 +190,7 @@ def test_each_stabilizers_loss_under_bf16_autocast_against_float32(stabilizer, b
     _, full = module.losses(images, labels)
     bounds = [s.last_bound for s in module.stabilizers if getattr(s, "last_bound", None) is not None]
     module.load_state_dict(state)
-    with torch.autocast("cpu", torch.bfloat16):
+    with cuda_autocast() if lists == "cuda" else contextlib.nullcontext(), torch.autocast("cpu", torch.bfloat16):
         _, mixed = module.losses(images, labels)
     for name, value in full.items():
         relative = abs(float(mixed[name]) - float(value)) / max(abs(float(value)), 1e-12)
