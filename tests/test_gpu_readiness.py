@@ -199,13 +199,15 @@ def test_each_stabilizers_loss_under_bf16_autocast_against_float32(stabilizer, b
         assert float(stab.last_bound) == pytest.approx(float(bound), rel=1e-6)
 
 
+@pytest.mark.parametrize("lists", ["cpu", "cuda"])
 @pytest.mark.parametrize("stabilizer, backbone", [("none", "vit"), ("lipschitz_transformer", "vit"),
                                                   ("lipsformer", "swin"), ("none", "cswin")])
-def test_measurements_do_not_depend_on_the_training_precision(stabilizer, backbone):
+def test_measurements_do_not_depend_on_the_training_precision(stabilizer, backbone, lists):
+    """Under bf16 autocast with the CPU's lists, and with CUDA's (what a GPU's bf16-mixed run casts)."""
     module = build(stabilizer, backbone)
     images, labels = batch(module)
     full = measure_everything(module, images, labels)
-    with torch.autocast("cpu", torch.bfloat16):
+    with cuda_autocast() if lists == "cuda" else contextlib.nullcontext(), torch.autocast("cpu", torch.bfloat16):
         mixed = measure_everything(module, images, labels)
     torch.testing.assert_close(mixed, full, rtol=0, atol=0)
 
