@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stability.testing import fake_gpu
-from stability.testing.cuda_autocast import CUDA_POLICY, NOT_ON_THE_CPU, cpu_only, cuda_autocast
+from stability.testing.cuda_autocast import CUDA_POLICY, NOT_ON_THE_CPU, applied_policies, cpu_only, cuda_autocast
 
 needs_fake_cuda = pytest.mark.skipif(not fake_gpu.SUPPORTED,
                                      reason="fake CUDA tensors without a GPU need torch >= 2.11")
@@ -123,6 +123,7 @@ CALLS = {
     "pow.Tensor_Tensor": lambda t: t(3, 4) ** t(3, 4),
     "softplus": lambda t: F.softplus(t(3, 4)),
     "layer_norm": lambda t: F.layer_norm(t(3, 4), (4,), t(4, dtype=f32), t(4, dtype=f32)),
+    "rms_norm": lambda t: F.rms_norm(t(3, 4), (4,), t(4, dtype=f32), 1e-6),
     "native_layer_norm": lambda t: torch.native_layer_norm(t(3, 4), [4], t(4, dtype=f32), t(4, dtype=f32), 1e-5),
     "group_norm": lambda t: F.group_norm(t(2, 4, 3), 2, t(4, dtype=f32), t(4, dtype=f32)),
     "frobenius_norm.dim": lambda t: torch.ops.aten.frobenius_norm.dim(t(3, 4), [1]),
@@ -207,21 +208,23 @@ def test_each_operator_is_cast_as_cuda_casts_it(name):
         assert cpu_out == ("refused", True)
     else:
         assert cpu_out == cuda_out
-    if name != "scaled_dot_product_attention":  # the CPU's fused kernel is another operator than CUDA's
-        assert cpu_ops == cuda_ops
+    if name not in ("scaled_dot_product_attention", "rms_norm"):  # other operators on each device (fused attention;
+        assert cpu_ops == cuda_ops                                     # RMSNorm: CUDA's fused kernel, the CPU's parts)
 
 
 def test_every_policy_is_called_and_every_cuda_only_kernel_has_one():
-    """Every operator with a CUDA autocast kernel the CPU's autocast lacks has a policy here (or runs on cuDNN only);
-    every policy names an operator with a CUDA autocast kernel, and has a call above (or is a named-dimension
-    overload of one that has, or a CUDA-only kernel)."""
-    from stability.testing.cuda_autocast import _kernel, _overload
+    """Every operator with a CUDA autocast kernel the CPU's autocast lacks has a policy here (or runs on cuDNN only),
+    which applies (a policy of an operator this torch's CUDA autocast has no kernel for does not: ``rms_norm`` before
+    torch 2.14); every policy has a call above (or is a named-dimension overload of one that has, or a CUDA-only
+    kernel)."""
+    from stability.testing.cuda_autocast import _kernel
 
     names = [name.removeprefix("aten::") for name in torch._C._dispatch_get_all_op_names()
              if name.startswith("aten::")]
     cuda_only = {name for name in names if _kernel(name, "AutocastCUDA") and not _kernel(name, "AutocastCPU")}
-    assert cuda_only <= set(CUDA_POLICY) | NOT_ON_THE_CPU
-    assert all(_kernel(name, "AutocastCUDA") for name in CUDA_POLICY if _overload(name) is not None)
+    assert cuda_only <= set(applied_policies()) | NOT_ON_THE_CPU
+    assert all(_kernel(name, "AutocastCUDA") for name in applied_policies())
+    assert ("rms_norm" in applied_policies()) == _kernel("rms_norm", "AutocastCUDA")
     assert set(CUDA_POLICY) == set(CALLS) | NOT_CALLED
     assert "cross_entropy_loss" in cpu_only() and "layer_norm" not in cpu_only()
 

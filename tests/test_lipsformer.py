@@ -92,6 +92,53 @@ def test_scsa_jacobian_is_below_theorem_1(seed):
         assert torch.isfinite(torch.tensor(exact)) and exact <= bound
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tolerance):
+    """τ · x/√(‖x‖² + ε) through RMSNorm with ε/d (one fused kernel each way on CUDA) and the scaled queries and keys
+    whose product is τ·q̂k̂ᵀ, with their gradients in x, k and τ, against autograd through the formula written out in
+    float64 (relative to each tensor's largest entry); RMSNorm with ε itself, a √d left on and τ/√d in place of τ/d
+    (planted errors) fail. Rows near the ε-region (‖x‖² ≈ ε) are included, where ε's placement matters most."""
+    gen = torch.Generator().manual_seed(0)
+    eps, width = 1e-2, 8
+    x = torch.randn(2, 2, 5, width, generator=gen, dtype=torch.float64) * torch.tensor(
+        [1e-2, 1.0, 30.0, 0.05, 3.0], dtype=torch.float64).view(5, 1)
+    k = torch.randn(2, 2, 5, width, generator=gen, dtype=torch.float64)
+    upstream, upstream_logits = torch.randn_like(x), torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64)
+
+    def unit(t, eps=eps):
+        return t / (t.pow(2).sum(-1, keepdim=True) + eps).sqrt()
+
+    def outputs_and_gradients(kernel, normalize, logits):
+        xs, ks = (t.to(kernel.tau.dtype).requires_grad_(True) for t in (x, k))
+        out, products = normalize(kernel, xs), logits(kernel, xs, ks)
+        grads = torch.autograd.grad((out, products), (xs, ks, kernel.tau),
+                                    (upstream.to(out.dtype), upstream_logits.to(out.dtype)))
+        return [t.double() for t in (out, products, *grads)]
+
+    def close(got, want):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=tolerance * float(b.abs().max()))
+
+    def normalized(kernel, t):
+        return kernel.normalize(t, kernel.tau)
+
+    def logits(kernel, q, kk):
+        return kernel.logits(q, kk, None)
+
+    kernel = ScaledCosineKernel(2, tau=7.0, eps=eps).to(dtype)
+    want = outputs_and_gradients(ScaledCosineKernel(2, tau=7.0, eps=eps).double(), lambda m, t: m.tau * unit(t),
+                                 lambda m, q, kk: m.tau * unit(q) @ unit(kk).transpose(-2, -1))
+    close(outputs_and_gradients(kernel, normalized, logits), want)
+    planted = [
+        (lambda m, t: m.tau * F.rms_norm(t, (width,), eps=eps) / width ** 0.5, logits),  # ε not divided by d
+        (lambda m, t: m.tau * F.rms_norm(t, (width,), eps=eps / width), logits),  # the √d left on
+        (normalized, lambda m, q, kk: (m.unit(q) * m.tau / width ** 0.5) @ m.unit(kk).transpose(-2, -1)),  # τ/√d
+    ]
+    for normalize, logit in planted:
+        with pytest.raises(AssertionError):
+            close(outputs_and_gradients(kernel, normalize, logit), want)
+
+
 def test_kernel_fused_and_explicit_paths_agree_and_eps_must_be_positive():
     kernel = ScaledCosineKernel(2, tau=4.0, nu=0.5, eps=1e-3)
     q, k, v = (torch.randn(3, 2, 7, 4) for _ in range(3))

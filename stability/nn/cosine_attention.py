@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .precision import accumulation_dtype
+from .precision import autocast_off
 
 
 class ScaledCosineKernel(nn.Module):
@@ -38,28 +38,39 @@ class ScaledCosineKernel(nn.Module):
             self.register_buffer("tau", tau_t)
             self.register_buffer("nu", nu_t)
 
+    def unit(self, x: torch.Tensor) -> torch.Tensor:
+        """√d · x/√(‖x‖² + ε) over the last dimension (width d), in x's dtype: RMSNorm with ε/d, the same formula
+        (x/√(‖x‖²/d + ε/d)), which CUDA runs as one fused kernel forward and one backward (torch's ``_fused_rms_norm``;
+        ‖x‖² accumulated in float32 at least, a float64 network stays float64), where the sum of squares spelled out
+        took a product, a sum, a float32 copy for the backward and five passes back."""
+        width = x.shape[-1]
+        with autocast_off(x.device.type):  # in x's dtype: torch 2.14's CUDA autocast would run it in float32
+            return F.rms_norm(x, (width,), eps=self.eps / width)
+
     def normalize(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """scale · x/√(‖x‖² + ε), in x's dtype: ‖x‖² is summed in at least float32 and at least x's dtype from x·x
-        (autocast would square x in float32 and keep that copy for the backward; a float64 network stays float64),
-        and the scale rides on the (…, 1) factor, not on x."""
-        factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=accumulation_dtype(x.dtype)) + self.eps)
-        if scale is not None:
-            factor = factor * scale
-        return x * factor.to(x.dtype)
+        """scale · x/√(‖x‖² + ε) (:meth:`unit` divided by √d, times ``scale``)."""
+        factor = 1.0 / math.sqrt(x.shape[-1])
+        return self.unit(x) * (factor if scale is None else scale * factor)
+
+    def scaled_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(τ/d · unit(q), unit(k)), whose product is τ·q̂k̂ᵀ: both 1/√d factors and τ ride on the queries, one pass."""
+        return self.unit(q) * (self.tau / q.shape[-1]), self.unit(k)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The softmax's input τ·q̂k̂ᵀ + B, (B', h, N, N)."""
-        logits = self.normalize(q, self.tau) @ self.normalize(k).transpose(-2, -1)
+        queries, keys = self.scaled_queries_and_keys(q, k)
+        logits = queries @ keys.transpose(-2, -1)
         return logits if bias is None else logits + bias
 
     def forward(self, q, k, v, bias: torch.Tensor | None, attn_drop: nn.Dropout, fused: bool) -> torch.Tensor:
         # ν/K is folded into the values (attention is linear in them) and τ into the queries: each scale multiplies a
-        # (…, 1) factor, so the fused kernel gets its three inputs and nothing else is kept for the backward
+        # number, so the fused kernel gets its three inputs and nothing else is kept for the backward
         out_scale = self.nu * self.head_factor
         v = self.normalize(v, out_scale) if self.normalize_v else v * out_scale.to(v.dtype)
         if fused:
-            return F.scaled_dot_product_attention(self.normalize(q, self.tau), self.normalize(k), v, attn_mask=bias,
-                                                  scale=1.0, dropout_p=attn_drop.p if self.training else 0.0)
+            queries, keys = self.scaled_queries_and_keys(q, k)
+            return F.scaled_dot_product_attention(queries, keys, v, attn_mask=bias, scale=1.0,
+                                                  dropout_p=attn_drop.p if self.training else 0.0)
         return attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
 
 

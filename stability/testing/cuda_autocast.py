@@ -35,7 +35,8 @@ LOWER, FP32, FP32_SET_DTYPE, FP32_APPEND_DTYPE, PROMOTE, BANNED, AS_IT_COMES = (
     "lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote", "banned", "none")
 
 # CUDA's policy for the operators whose CUDA autocast kernel the CPU's autocast lacks or applies otherwise (torch 2.11's
-# AutocastCUDA registrations; an overload is named "operator.overload", the default one by its operator's name)
+# AutocastCUDA registrations and 2.14's; an overload is named "operator.overload", the default one by its operator's
+# name); each applies where this torch's CUDA autocast has a kernel for it
 CUDA_POLICY = {
     **dict.fromkeys(["_convolution", "convolution", "addmv", "addr", "chain_matmul", "einsum", "linalg_multi_dot", "mv",
                      "_scaled_dot_product_flash_attention", "gru_cell", "lstm_cell", "rnn_relu_cell", "rnn_tanh_cell",
@@ -47,7 +48,8 @@ CUDA_POLICY = {
                      "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
                      "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact1d",
                      "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa",
-                     "_upsample_bicubic2d_aa"], FP32),
+                     "_upsample_bicubic2d_aa",
+                     "rms_norm"], FP32),  # rms_norm from torch 2.14 (2.11's CUDA autocast leaves it as it comes)
     **dict.fromkeys(["sum", "sum.dim_IntList", "sum.dim_DimnameList", "prod", "prod.dim_int", "prod.dim_Dimname",
                      "softmax.int", "softmax.Dimname", "log_softmax.int", "log_softmax.Dimname", "cumsum",
                      "cumsum.dimname", "cumprod", "cumprod.dimname", "linalg_vector_norm", "linalg_matrix_norm",
@@ -92,6 +94,12 @@ def cpu_only() -> frozenset[str]:
              if name.startswith("aten::"))
     return frozenset(name for name in names
                      if _kernel(name, "AutocastCPU") and not _kernel(name, "AutocastCUDA") and name not in CUDA_POLICY)
+
+
+@functools.cache
+def applied_policies() -> dict[str, str]:
+    """The :data:`CUDA_POLICY` entries this torch's CUDA autocast has a kernel for."""
+    return {name: policy for name, policy in CUDA_POLICY.items() if _kernel(name, "AutocastCUDA")}
 
 
 def _eligible(value: Any) -> bool:
@@ -171,7 +179,7 @@ def cuda_autocast() -> Iterator[None]:
         yield
         return
     library = torch.library.Library("aten", "IMPL")
-    policies = {**dict.fromkeys(cpu_only(), AS_IT_COMES), **CUDA_POLICY}
+    policies = {**dict.fromkeys(cpu_only(), AS_IT_COMES), **applied_policies()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # the CPU's own kernels, replaced for the block
         for name, policy in policies.items():
@@ -189,4 +197,4 @@ def cuda_autocast() -> Iterator[None]:
         library._destroy()
 
 
-__all__ = ["CUDA_POLICY", "NOT_ON_THE_CPU", "cpu_only", "cuda_autocast"]
+__all__ = ["CUDA_POLICY", "NOT_ON_THE_CPU", "applied_policies", "cpu_only", "cuda_autocast"]

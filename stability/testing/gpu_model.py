@@ -21,10 +21,10 @@ An operator that CUDA runs as several kernels of its own (it has no CUDA kernel,
 
 :func:`cuda_path` makes the CPU take the decisions a GPU takes where they change the count: the fused AdamW kernel,
 JaSMin's streamed row statistics, a fused attention kernel where softcap uses FlexAttention (counted as one SDPA
-call: the score modification runs inside the kernel), and CUDA's autocast lists (:mod:`.cuda_autocast`). Counts at two
-batch sizes give each quantity's constant and per-image parts exactly, and two depths the per-block parts (every
-quantity is bilinear in depth and batch): a ViT-S
-step of 12 blocks at batch 256 is counted from steps of 1 and 2 blocks at batch 2 and 4.
+call: the score modification runs inside the kernel), CUDA's autocast lists (:mod:`.cuda_autocast`) and its fused
+RMSNorm (:mod:`.fused_rms_norm`). Counts at two batch sizes give each quantity's constant and per-image parts
+exactly, and two depths the per-block parts (every quantity is bilinear in depth and batch): a ViT-S step of 12 blocks
+at batch 256 is counted from steps of 1 and 2 blocks at batch 2 and 4.
 
 :class:`GpuModel` turns counts into seconds — ``launches·t_launch`` (the host's time per launched operator) beside
 ``bytes/bandwidth + Σ_p flops_p/throughput_p`` (the device's), added (``additive``) or overlapped (``overlap``: the
@@ -299,10 +299,12 @@ def cuda_path(module) -> Iterator[None]:
     kernel: the CPU's flash kernel of the same shapes), a fused attention kernel where softcap would use
     FlexAttention (one SDPA call of the same shapes: the cap runs inside the GPU's kernel), and CUDA's autocast lists
     in place of the CPU's (:func:`.cuda_autocast.cuda_autocast`: LayerNorm on bf16 inputs in float32, sums and
-    softmaxes accumulated in float32, ...)."""
+    softmaxes accumulated in float32, ...), and RMSNorm as CUDA's fused kernel, one operator each way
+    (:func:`.fused_rms_norm.counted_as_on_cuda`, where the CPU runs a composite)."""
     from .. import optim
     from ..nn import dot_attention, row_statistics
     from .cuda_autocast import cuda_autocast
+    from .fused_rms_norm import counted_as_on_cuda
 
     saved = (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
              row_statistics.attention_lse)
@@ -323,7 +325,7 @@ def cuda_path(module) -> Iterator[None]:
         stabilizer.on_device(torch.device("cuda"))
     module._stabilizers_device = torch.device("cpu")  # the module does not ask again on the CPU tensors
     try:
-        with cuda_autocast():
+        with cuda_autocast(), counted_as_on_cuda():
             yield
     finally:
         (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,

@@ -1,0 +1,120 @@
+"""CUDA's fused RMSNorm, stood in on the CPU for counting: one kernel forward and one backward, as a GPU runs it.
+
+On CUDA ``F.rms_norm`` calls torch's ``_fused_rms_norm``, one kernel that reads x (and the weight) and writes y and
+the rows' reciprocal RMS (float32 at least), and its backward ``_fused_rms_norm_backward``, one kernel that reads the
+incoming gradient, x and the saved statistics and writes the input's (and the weight's) gradient; where the backward
+must itself be differentiable (``create_graph``), autograd runs torch's composite backward instead. The CPU has no
+such kernel: ``F.rms_norm`` runs as its composite, about ten operators each way, which a counted step would charge
+as a GPU's. Inside :func:`counted_as_on_cuda` (which ``gpu_model.cuda_path`` enters), ``F.rms_norm`` calls the two
+operators here instead: the same arithmetic, each one operator to the counter, with the inputs and outputs of
+CUDA's kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reduced(x: torch.Tensor, width: int) -> list[int]:
+    return list(range(x.dim() - width, x.dim()))
+
+
+def _forward(x: torch.Tensor, width: int, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    wide = x.to(_statistics_dtype(x.dtype))
+    rstd = torch.rsqrt(wide.pow(2).mean(_reduced(x, width), keepdim=True) + eps)
+    y = wide * rstd
+    return (y if weight is None else y * weight).to(x.dtype), rstd
+
+
+def _backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
+              width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d/dx of y = w ⊙ x·r, r = (mean x² + ε)^(-1/2): r·(g ⊙ w) − x·r³·mean((g ⊙ w) ⊙ x); d/dw = Σ_rows g ⊙ x·r."""
+    dims = _reduced(x, width)
+    wide, g = x.to(rstd.dtype), grad.to(rstd.dtype)
+    gw = g if weight is None else g * weight.to(rstd.dtype)
+    grad_x = rstd * gw - wide * rstd.pow(3) * (gw * wide).mean(dims, keepdim=True)
+    grad_weight = None if weight is None else (g * wide * rstd).sum(list(range(x.dim() - width))).to(weight.dtype)
+    return grad_x.to(x.dtype), grad_weight
+
+
+@torch.library.custom_op("stability::fused_rms_norm", mutates_args=())
+def fused_rms_norm(x: torch.Tensor, width: int, weight: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, reciprocal RMS of each row) over the last ``width`` dimensions: ``_fused_rms_norm``'s outputs."""
+    return _forward(x, width, weight, eps)
+
+
+@fused_rms_norm.register_fake
+def _(x, width, weight, eps):
+    shape = [*x.shape[: x.dim() - width], *[1] * width]
+    return x.new_empty(x.shape), x.new_empty(shape, dtype=_statistics_dtype(x.dtype))
+
+
+@torch.library.custom_op("stability::fused_rms_norm_backward", mutates_args=())
+def fused_rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
+                            width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input's gradient, the weight's or an empty tensor): ``_fused_rms_norm_backward``'s outputs."""
+    grad_x, grad_weight = _backward(grad, x, rstd, weight, width)
+    return grad_x, grad_x.new_empty(0) if grad_weight is None else grad_weight
+
+
+@fused_rms_norm_backward.register_fake
+def _(grad, x, rstd, weight, width):
+    return x.new_empty(x.shape), x.new_empty(0) if weight is None else weight.new_empty(weight.shape)
+
+
+def _setup(ctx, inputs, output):
+    x, width, weight, eps = inputs
+    ctx.width, ctx.eps = width, eps
+    ctx.set_materialize_grads(False)  # no zeros made for the statistics' gradient, which no one asks for
+    ctx.save_for_backward(x, output[1], weight)
+
+
+def _autograd_backward(ctx, grad, _grad_rstd):
+    x, rstd, weight = ctx.saved_tensors
+    if grad is None:
+        return None, None, None, None
+    if torch.is_grad_enabled():  # a differentiable backward: autograd's composite, as on CUDA, its statistics
+        # recomputed from x so that the gradient's own gradient flows through them
+        rstd = torch.rsqrt(x.to(rstd.dtype).pow(2).mean(_reduced(x, ctx.width), keepdim=True) + ctx.eps)
+        grad_x, grad_weight = _backward(grad, x, rstd, weight, ctx.width)
+    else:
+        grad_x, grad_weight = fused_rms_norm_backward(grad, x, rstd, weight, ctx.width)
+        grad_weight = None if weight is None else grad_weight
+    return grad_x, None, grad_weight, None
+
+
+fused_rms_norm.register_autograd(_autograd_backward, setup_context=_setup)
+
+
+def rms_norm_as_on_cuda(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+                        eps: float | None = None) -> torch.Tensor:
+    """``F.rms_norm`` through the two single operators above (``eps`` None: the dtype's machine epsilon, as torch),
+    under CUDA's autocast policy for it where autocast is on (from torch 2.14: float32, :mod:`.cuda_autocast`)."""
+    from .cuda_autocast import applied_policies
+
+    if torch.is_autocast_enabled("cpu") and applied_policies().get("rms_norm") == "fp32":
+        input, weight = (t if t is None or t.dtype == torch.float64 else t.float() for t in (input, weight))
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    return fused_rms_norm(input, len(normalized_shape), weight, eps)[0]
+
+
+@contextlib.contextmanager
+def counted_as_on_cuda() -> Iterator[None]:
+    """``F.rms_norm`` is :func:`rms_norm_as_on_cuda` inside the block."""
+    original = F.rms_norm
+    F.rms_norm = rms_norm_as_on_cuda
+    try:
+        yield
+    finally:
+        F.rms_norm = original
+
+
+__all__ = ["counted_as_on_cuda", "fused_rms_norm", "fused_rms_norm_backward", "rms_norm_as_on_cuda"]
