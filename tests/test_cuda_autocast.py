@@ -157,8 +157,10 @@ CALLS = {
     "linalg_vector_norm": lambda t: torch.linalg.vector_norm(t(3, 4), dim=1),
     "linalg_matrix_norm": lambda t: torch.linalg.matrix_norm(t(3, 4), ord=1),
     "linalg_matrix_norm.str_ord": lambda t: torch.linalg.matrix_norm(t(3, 4)),
-    "norm.Scalar": lambda t: t(3, 4).norm(),
-    "norm.ScalarOpt_dim": lambda t: t(3, 4).norm(dim=1),
+    "norm.Scalar": lambda t: torch.ops.aten.norm.Scalar(t(3, 4)),  # Tensor.norm() is linalg_vector_norm: aten's own
+    "norm.Scalar, p": lambda t: torch.ops.aten.norm.Scalar(t(3, 4), 3),
+    "norm.ScalarOpt_dim": lambda t: torch.ops.aten.norm.ScalarOpt_dim(t(3, 4), 2, [1]),  # keepdim at its default
+    "norm.ScalarOpt_dim, float32": lambda t: torch.ops.aten.norm.ScalarOpt_dim(t(3, 4, dtype=f32), 2, [1], True),
     "addcdiv": lambda t: torch.addcdiv(t(3, 4), t(3, 4, dtype=f32), t(3, 4)),
     "addcmul": lambda t: torch.addcmul(t(3, 4), t(3, 4, dtype=f32), t(3, 4)),
     "atan2": lambda t: torch.atan2(t(3, 4), t(3, 4, dtype=f32)),
@@ -171,6 +173,7 @@ CALLS = {
                                                t(3, 2, dtype=f32)),
     "tensordot": lambda t: torch.tensordot(t(3, 4), t(4, 5, dtype=f32), dims=1),
     "binary_cross_entropy": lambda t: F.binary_cross_entropy(t(3) * 0.5, t(3) * 0.5),
+    "grid_sampler": lambda t: F.grid_sample(t(1, 2, 4, 4), t(1, 3, 3, 2) - 1.0, align_corners=False),
 }
 # CUDA kernels only (no CPU kernel to call on CPU tensors); operators that fake CUDA tensors cannot run
 # (``_convolution`` asks the driver, the GRU and LSTM cells reach CUDA's fused cells, which have no fake kernel); the
@@ -225,7 +228,7 @@ def test_every_policy_is_called_and_every_cuda_only_kernel_has_one():
     assert cuda_only <= set(applied_policies()) | NOT_ON_THE_CPU
     assert all(_kernel(name, "AutocastCUDA") for name in applied_policies())
     assert ("rms_norm" in applied_policies()) == _kernel("rms_norm", "AutocastCUDA")
-    assert set(CUDA_POLICY) == set(CALLS) | NOT_CALLED
+    assert set(CUDA_POLICY) == {name.partition(",")[0] for name in CALLS} | NOT_CALLED
     assert "cross_entropy_loss" in cpu_only() and "layer_norm" not in cpu_only()
 
 
@@ -239,6 +242,34 @@ def test_outside_the_block_the_cpus_lists_are_back():
         after = F.layer_norm(x, (4,), weight, weight).dtype, torch.mv(x.float(), weight).dtype
     assert inside == (torch.float32, torch.bfloat16) and nested == torch.float32
     assert after == (torch.bfloat16, torch.float32)
+
+
+def test_the_cpus_lists_are_back_after_a_failure_inside_the_block_or_in_its_registration(monkeypatch):
+    from stability.testing import cuda_autocast as module
+
+    x, weight = torch.rand(3, 4, dtype=torch.bfloat16), torch.ones(4)
+
+    def layer_norm_dtype():
+        with torch.autocast("cpu", torch.bfloat16):
+            return F.layer_norm(x, (4,), weight, weight).dtype
+
+    with pytest.raises(RuntimeError, match="in the block"):
+        with cuda_autocast():
+            assert layer_norm_dtype() == torch.float32
+            raise RuntimeError("in the block")
+    assert layer_norm_dtype() == torch.bfloat16
+    original = module._policy_kernel
+
+    def failing_after_layer_norm(name, policy):  # the registration fails half done, LayerNorm's policy registered
+        if name == "cumsum":
+            raise RuntimeError("registration failed")
+        return original(name, policy)
+
+    monkeypatch.setattr(module, "_policy_kernel", failing_after_layer_norm)
+    with pytest.raises(RuntimeError, match="registration failed") as caught:  # its traceback held, as loggers do
+        with cuda_autocast():
+            pass
+    assert layer_norm_dtype() == torch.bfloat16 and not module._active and caught.traceback
 
 
 def test_float64_stays_float64():

@@ -72,6 +72,21 @@ def test_each_way_is_one_operator_with_cudas_inputs_and_outputs():
     assert composite.launches > 10 and composite.bytes > 2 * counts.bytes
 
 
+def test_a_strided_input_is_copied_each_way_as_cuda_copies_it():
+    x = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16).transpose(1, 2).requires_grad_(True)  # strided, as q, k, v
+    upstream = torch.randn(x.shape, dtype=torch.bfloat16)
+    counts = count(lambda: torch.autograd.grad(rms_norm_as_on_cuda(x, (8,), None, 1e-6), x, upstream))
+    assert counts.ops == {"fused_rms_norm": 1, "fused_rms_norm_backward": 1, "clone": 2}
+    reference = torch.autograd.grad(F.rms_norm(x, (8,), None, 1e-6), x, upstream)[0]
+    torch.testing.assert_close(torch.autograd.grad(rms_norm_as_on_cuda(x, (8,), None, 1e-6), x, upstream)[0],
+                               reference, rtol=0, atol=0)
+
+
+def test_the_default_eps_is_that_of_the_statistics_dtype():
+    x = 1e-3 * torch.randn(4, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(rms_norm_as_on_cuda(x, (8,)), F.rms_norm(x, (8,)), rtol=0, atol=0)
+
+
 def test_the_cuda_path_routes_rms_norm_through_the_stand_in_only_inside_its_block():
     from stability.classifier import ImageClassifier
 

@@ -92,12 +92,17 @@ def test_scsa_jacobian_is_below_theorem_1(seed):
         assert torch.isfinite(torch.tensor(exact)) and exact <= bound
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tolerance):
-    """τ · x/√(‖x‖² + ε) through RMSNorm with ε/d (one fused kernel each way on CUDA) and the scaled queries and keys
-    whose product is τ·q̂k̂ᵀ, with their gradients in x, k and τ, against autograd through the formula written out in
-    float64 (relative to each tensor's largest entry); RMSNorm with ε itself, a √d left on and τ/√d in place of τ/d
-    (planted errors) fail. Rows near the ε-region (‖x‖² ≈ ε) are included, where ε's placement matters most."""
+def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tolerance, fused, monkeypatch):
+    """τ · x/√(‖x‖² + ε) and the scaled queries and keys whose product is τ·q̂k̂ᵀ — through RMSNorm with ε/d and the
+    scales as its weight (``fused``: CUDA's path, one fused kernel each way) or spelled out (elsewhere) — with their
+    gradients in x, k and τ, against autograd through the formula written out in float64 (relative to each tensor's
+    largest entry); RMSNorm with ε itself, a √d left on and τ/√d in place of τ/d (planted errors) fail. Rows near the
+    ε-region (‖x‖² ≈ ε) are included, where ε's placement matters most."""
+    from stability.nn import cosine_attention
+
+    monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: fused)
     gen = torch.Generator().manual_seed(0)
     eps, width = 1e-2, 8
     x = torch.randn(2, 2, 5, width, generator=gen, dtype=torch.float64) * torch.tensor(
@@ -132,7 +137,7 @@ def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tol
     planted = [
         (lambda m, t: m.tau * F.rms_norm(t, (width,), eps=eps) / width ** 0.5, logits),  # ε not divided by d
         (lambda m, t: m.tau * F.rms_norm(t, (width,), eps=eps / width), logits),  # the √d left on
-        (normalized, lambda m, q, kk: (m.unit(q) * m.tau / width ** 0.5) @ m.unit(kk).transpose(-2, -1)),  # τ/√d
+        (normalized, lambda m, q, kk: m.unit(q, m.tau / width ** 0.5) @ m.unit(kk).transpose(-2, -1)),  # τ/√d
     ]
     for normalize, logit in planted:
         with pytest.raises(AssertionError):

@@ -70,6 +70,21 @@ def test_bytes_saved_for_backward_against_the_plain_step(stabilizer):
     assert ratio <= SAVED_RATIO[stabilizer], ratio
 
 
+def test_lipsformer_on_cudas_path_saves_its_fused_norms_inputs_and_statistics(monkeypatch):
+    """On CUDA LipsFormer normalises q, k and v by the fused RMSNorm (stood in here:
+    stability/testing/fused_rms_norm.py), which saves its input — a contiguous copy of each, in place of the
+    projection they were views of, which the spelled-out normalisation saved — and each row's float32 statistic:
+    1.21× the plain step's (1.18× on the CPU's path)."""
+    from stability.nn import cosine_attention
+    from stability.testing.fused_rms_norm import counted_as_on_cuda
+
+    plain = saved_for_backward(step_of("none"))
+    monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: True)
+    with counted_as_on_cuda():
+        ratio = saved_for_backward(step_of("lipsformer")) / plain
+    assert ratio <= 1.22, ratio
+
+
 def test_qk_norm_saves_no_more_than_timms_own_qk_norm(monkeypatch):
     """The issue's other measure for qk_norm: within 5% of timm's ``qk_norm=True`` (a LayerNorm on q and k, then
     SDPA) — ours saves no more than it does (0.996× here)."""

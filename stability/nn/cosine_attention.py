@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .precision import autocast_off
+from .precision import accumulation_dtype, autocast_off
+
+
+def fused_norm_on(device: torch.device) -> bool:
+    """Whether torch runs RMSNorm on ``device`` as a fused kernel (CUDA's ``_fused_rms_norm``): elsewhere it is a
+    composite, slower than the normalisation spelled out (1.5-1.8× on the CPU, forward and backward)."""
+    return device.type == "cuda"
 
 
 class ScaledCosineKernel(nn.Module):
@@ -38,23 +44,39 @@ class ScaledCosineKernel(nn.Module):
             self.register_buffer("tau", tau_t)
             self.register_buffer("nu", nu_t)
 
-    def unit(self, x: torch.Tensor) -> torch.Tensor:
-        """√d · x/√(‖x‖² + ε) over the last dimension (width d), in x's dtype: RMSNorm with ε/d, the same formula
-        (x/√(‖x‖²/d + ε/d)), which CUDA runs as one fused kernel forward and one backward (torch's ``_fused_rms_norm``;
-        ‖x‖² accumulated in float32 at least, a float64 network stays float64), where the sum of squares spelled out
-        took a product, a sum, a float32 copy for the backward and five passes back."""
+    def unit(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """√d · x/√(‖x‖² + ε) over the last dimension (width d), times ``scale`` where given, in x's dtype: RMSNorm
+        with ε/d, the same formula (x/√(‖x‖²/d + ε/d)), the scale as its weight. CUDA runs it as one fused kernel
+        forward and one backward (torch's ``_fused_rms_norm``: ‖x‖² accumulated in float32 at least, a float64 network
+        stays float64; the scale's gradient from the weight's, which that backward computes), where the sum of
+        squares spelled out took a product, a sum, a float32 copy for the backward and five passes back; and a
+        scale applied to the output would keep that output for its own gradient."""
         width = x.shape[-1]
+        weight = None if scale is None else scale.to(x.dtype).expand(width)  # x's dtype: CUDA's fused kernel's
         with autocast_off(x.device.type):  # in x's dtype: torch 2.14's CUDA autocast would run it in float32
-            return F.rms_norm(x, (width,), eps=self.eps / width)
+            # contiguous: the attention's q, k and v are strided views of one projection, which CUDA's kernel would
+            # copy in the forward and again in the backward; one copy here serves both
+            return F.rms_norm(x.contiguous(), (width,), weight, eps=self.eps / width)
 
     def normalize(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """scale · x/√(‖x‖² + ε) (:meth:`unit` divided by √d, times ``scale``)."""
-        factor = 1.0 / math.sqrt(x.shape[-1])
-        return self.unit(x) * (factor if scale is None else scale * factor)
+        """scale · x/√(‖x‖² + ε), in x's dtype: :meth:`unit` with ``scale``/√d where a fused RMSNorm kernel runs it
+        (:func:`fused_norm_on`); elsewhere spelled out, ‖x‖² summed in at least float32 and at least x's dtype from
+        x·x (autocast would square x in float32 and keep that copy for the backward), the scale on the (…, 1)
+        factor, not on x."""
+        if fused_norm_on(x.device):
+            factor = 1.0 / math.sqrt(x.shape[-1])
+            return self.unit(x, x.new_tensor(factor) if scale is None else scale * factor)
+        factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=accumulation_dtype(x.dtype)) + self.eps)
+        if scale is not None:
+            factor = factor * scale
+        return x * factor.to(x.dtype)
 
     def scaled_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(τ/d · unit(q), unit(k)), whose product is τ·q̂k̂ᵀ: both 1/√d factors and τ ride on the queries, one pass."""
-        return self.unit(q) * (self.tau / q.shape[-1]), self.unit(k)
+        """The queries and keys whose product is τ·q̂k̂ᵀ: with a fused RMSNorm (τ/d · unit(q), unit(k)), both 1/√d
+        factors and τ riding on the queries' norm; else (τ·q̂, k̂)."""
+        if fused_norm_on(q.device):
+            return self.unit(q, self.tau / q.shape[-1]), self.unit(k)
+        return self.normalize(q, self.tau), self.normalize(k)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The softmax's input τ·q̂k̂ᵀ + B, (B', h, N, N)."""

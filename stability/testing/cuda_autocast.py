@@ -56,7 +56,7 @@ CUDA_POLICY = {
                      "linalg_matrix_norm.str_ord"], FP32_SET_DTYPE),
     **dict.fromkeys(["norm.Scalar", "norm.ScalarOpt_dim", "norm.names_ScalarOpt_dim"], FP32_APPEND_DTYPE),
     **dict.fromkeys(["addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "index_put", "scatter_add",
-                     "tensordot"], PROMOTE),
+                     "tensordot", "grid_sampler"], PROMOTE),  # grid_sampler: the CPU's autocast casts it to float32
     "binary_cross_entropy": BANNED,
 }
 # CUDA autocast kernels of operators that run on cuDNN only: nothing to emulate on CPU tensors
@@ -143,6 +143,13 @@ def _with_float32_dtype(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
     return args, kwargs
 
 
+def _with_defaults(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple:
+    """``op``'s positional arguments in full: the dispatcher leaves out trailing ones at their defaults, which the
+    overload a policy calls instead may not have."""
+    arguments = [a for a in op._schema.arguments if not a.kwarg_only]
+    return (*args, *(kwargs.get(a.name, a.default_value) for a in arguments[len(args):]))
+
+
 def _policy_kernel(name: str, policy: str):
     """A Python kernel at ``AutocastCPU`` that applies CUDA's ``policy`` to ``aten::<name>`` and calls it below
     autocast (CUDA's kernels exclude their autocast key the same way)."""
@@ -164,8 +171,10 @@ def _policy_kernel(name: str, policy: str):
             if policy == FP32_SET_DTYPE and first_eligible:
                 args, kwargs = _with_float32_dtype(op, args, kwargs)
                 return op(*args, **kwargs)
-            if policy == FP32_APPEND_DTYPE and first_eligible:
-                return getattr(op.overloadpacket, APPENDED[op._overloadname])(*args, **kwargs, dtype=torch.float32)
+            if policy == FP32_APPEND_DTYPE:  # CUDA's type_from_firstarg: float32, or the first argument's own dtype
+                dtype = torch.float32 if first_eligible else args[0].dtype
+                appended = getattr(op.overloadpacket, APPENDED[op._overloadname])
+                return appended(*_with_defaults(op, args, kwargs), dtype=dtype)
             return op(*args, **kwargs)  # an input the policy leaves alone
 
     return kernel
@@ -174,25 +183,26 @@ def _policy_kernel(name: str, policy: str):
 @contextlib.contextmanager
 def cuda_autocast() -> Iterator[None]:
     """Inside the block, CPU autocast casts as CUDA's autocast does (module docstring); outside, as the CPU's. Nested
-    blocks share the outer one's kernels."""
+    blocks share the outer one's kernels. The kernels are the process's, every thread's, for the block's duration (a
+    count runs on one thread)."""
     if _active:
         yield
         return
     library = torch.library.Library("aten", "IMPL")
     policies = {**dict.fromkeys(cpu_only(), AS_IT_COMES), **applied_policies()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # the CPU's own kernels, replaced for the block
-        for name, policy in policies.items():
-            if _overload(name) is None:
-                continue
-            # as it comes: a fallthrough, as CUDA has for an operator without a kernel (the operators it calls are
-            # still cast); a policy: the kernel calls below autocast
-            kernel = torch.library.fallthrough_kernel if policy == AS_IT_COMES else _policy_kernel(name, policy)
-            library.impl(name, kernel, "AutocastCPU")
     _active.append(library)
     try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # the CPU's own kernels, replaced for the block
+            for name, policy in policies.items():
+                if _overload(name) is None:
+                    continue
+                # as it comes: a fallthrough, as CUDA has for an operator without a kernel (the operators it calls
+                # are still cast); a policy: the kernel calls below autocast
+                kernel = torch.library.fallthrough_kernel if policy == AS_IT_COMES else _policy_kernel(name, policy)
+                library.impl(name, kernel, "AutocastCPU")
         yield
-    finally:
+    finally:  # the CPU's kernels back, whatever failed: a registration half done, or the block
         _active.pop()
         library._destroy()
 

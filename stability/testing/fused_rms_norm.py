@@ -94,15 +94,32 @@ def _autograd_backward(ctx, grad, _grad_rstd):
 fused_rms_norm.register_autograd(_autograd_backward, setup_context=_setup)
 
 
+class _CopiedEachWay(torch.autograd.Function):
+    """The copies CUDA's norm kernels make of a strided input: ``input.expect_contiguous()`` in the forward and again,
+    of the saved input, in the backward (as ATen's LayerNorm kernels do; assumed of its RMSNorm, which shares their
+    code). The identity, with a copy each way for the counter (the backward's copies the gradient, of the same size)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
 def rms_norm_as_on_cuda(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
                         eps: float | None = None) -> torch.Tensor:
-    """``F.rms_norm`` through the two single operators above (``eps`` None: the dtype's machine epsilon, as torch),
-    under CUDA's autocast policy for it where autocast is on (from torch 2.14: float32, :mod:`.cuda_autocast`)."""
+    """``F.rms_norm`` through the two single operators above, under CUDA's autocast policy for it where autocast is on
+    (from torch 2.14: float32, :mod:`.cuda_autocast`), a strided input copied each way (``eps`` None: the machine
+    epsilon of the statistics' dtype, as torch: float32's for bf16)."""
     from .cuda_autocast import applied_policies
 
     if torch.is_autocast_enabled("cpu") and applied_policies().get("rms_norm") == "fp32":
         input, weight = (t if t is None or t.dtype == torch.float64 else t.float() for t in (input, weight))
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    if not input.is_contiguous():
+        input = _CopiedEachWay.apply(input)
+    eps = torch.finfo(_statistics_dtype(input.dtype)).eps if eps is None else eps
     return fused_rms_norm(input, len(normalized_shape), weight, eps)[0]
 
 

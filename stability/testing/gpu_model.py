@@ -300,14 +300,15 @@ def cuda_path(module) -> Iterator[None]:
     FlexAttention (one SDPA call of the same shapes: the cap runs inside the GPU's kernel), and CUDA's autocast lists
     in place of the CPU's (:func:`.cuda_autocast.cuda_autocast`: LayerNorm on bf16 inputs in float32, sums and
     softmaxes accumulated in float32, ...), and RMSNorm as CUDA's fused kernel, one operator each way
-    (:func:`.fused_rms_norm.counted_as_on_cuda`, where the CPU runs a composite)."""
+    (:func:`.fused_rms_norm.counted_as_on_cuda`, where the CPU runs a composite), which LipsFormer's cosine
+    attention takes on CUDA (``cosine_attention.fused_norm_on``)."""
     from .. import optim
-    from ..nn import dot_attention, row_statistics
+    from ..nn import cosine_attention, dot_attention, row_statistics
     from .cuda_autocast import cuda_autocast
     from .fused_rms_norm import counted_as_on_cuda
 
     saved = (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
-             row_statistics.attention_lse)
+             row_statistics.attention_lse, cosine_attention.fused_norm_on)
 
     def fused_sdpa(q, k, v, scale, cap, compiled=True, backend="inductor"):
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
@@ -321,15 +322,18 @@ def cuda_path(module) -> Iterator[None]:
     dot_attention.flex_trains_on = lambda device: True
     dot_attention.softcapped_attention = fused_sdpa
     row_statistics.attention_lse = flash_lse
+    cosine_attention.fused_norm_on = lambda device: True
     for stabilizer in module.stabilizers:
         stabilizer.on_device(torch.device("cuda"))
     module._stabilizers_device = torch.device("cpu")  # the module does not ask again on the CPU tensors
     try:
-        with cuda_autocast(), counted_as_on_cuda():
+        on_cpu = next(module.parameters()).device.type == "cpu"  # a module on a GPU runs CUDA's own lists and kernels
+        with cuda_autocast() if on_cpu else contextlib.nullcontext(), \
+                counted_as_on_cuda() if on_cpu else contextlib.nullcontext():
             yield
     finally:
         (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
-         row_statistics.attention_lse) = saved
+         row_statistics.attention_lse, cosine_attention.fused_norm_on) = saved
 
 
 # ------------------------------------------------------------------------------------------------------- the model
