@@ -96,9 +96,14 @@ def scsa_reference(x, w_q, w_k, w_v, heads, tau, nu, eps):
     return torch.cat(outs, dim=-1) / heads
 
 
+@pytest.mark.parametrize("fused_norm", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
-def test_scaled_cosine_attention_in_float64_matches_the_papers_formula(fused):
-    """To 1e-12: with ‖x‖² summed in float32 the two differed by 1e-7 to 2e-6."""
+def test_scaled_cosine_attention_in_float64_matches_the_papers_formula(fused, fused_norm, monkeypatch):
+    """To 1e-12: with ‖x‖² summed in float32 the two differed by 1e-7 to 2e-6. On either normalisation: CUDA's
+    (``fused_norm``: RMSNorm with ε/d, the scales as its weight) and the CPU's (spelled out)."""
+    from stability.nn import cosine_attention
+
+    monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: fused_norm)
     gen = torch.Generator().manual_seed(0)
     heads, d_model, n, tau, nu, eps = 2, 8, 5, 10.0, 1.3, 1e-6
     w_q, w_k, w_v = (torch.randn(d_model, d_model, generator=gen, dtype=torch.float64) for _ in range(3))

@@ -72,6 +72,23 @@ def test_each_way_is_one_operator_with_cudas_inputs_and_outputs():
     assert composite.launches > 10 and composite.bytes > 2 * counts.bytes
 
 
+@pytest.mark.parametrize("rows", [64, 70_000])
+def test_the_weights_gradient_is_a_kernel_of_its_own_and_partial_sums_over_many_rows(rows):
+    x = torch.randn(rows, 8, requires_grad=True)
+    weight = torch.randn(8, requires_grad=True)
+    upstream = torch.randn(rows, 8)
+    counts = count(lambda: torch.autograd.grad(rms_norm_as_on_cuda(x, (8,), weight, 1e-6), (x, weight), upstream))
+    many = rows > module.MANY_ROWS
+    assert counts.ops == {"fused_rms_norm": 1, "fused_rms_norm_backward": 1, "fused_rms_norm_weight_partials": 1,
+                          **({"sum": 1} if many else {})}
+    got = torch.autograd.grad(rms_norm_as_on_cuda(x, (8,), weight, 1e-6), weight, upstream)[0]
+    want = torch.autograd.grad(F.rms_norm(x, (8,), weight, 1e-6), weight, upstream)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    strided = torch.randn(8, 2)[:, 0].requires_grad_(True)  # a strided weight: copied each way, as CUDA does
+    counts = count(lambda: torch.autograd.grad(rms_norm_as_on_cuda(x, (8,), strided, 1e-6), strided, upstream))
+    assert counts.ops["clone"] == 2
+
+
 def test_a_strided_input_is_copied_each_way_as_cuda_copies_it():
     x = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16).transpose(1, 2).requires_grad_(True)  # strided, as q, k, v
     upstream = torch.randn(x.shape, dtype=torch.bfloat16)

@@ -81,8 +81,11 @@ def test_lipsformer_on_cudas_path_saves_its_fused_norms_inputs_and_statistics(mo
     plain = saved_for_backward(step_of("none"))
     monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: True)
     with counted_as_on_cuda():
-        ratio = saved_for_backward(step_of("lipsformer")) / plain
+        step = step_of("lipsformer")
+        ratio = saved_for_backward(step) / plain
+        ops = dispatched(step)
     assert ratio <= 1.22, ratio
+    assert ops["fused_rms_norm"] == 3 * VIT["depth"]  # q, k and v of each block, on the fused path
 
 
 def test_qk_norm_saves_no_more_than_timms_own_qk_norm(monkeypatch):

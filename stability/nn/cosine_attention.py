@@ -47,12 +47,13 @@ class ScaledCosineKernel(nn.Module):
     def unit(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """√d · x/√(‖x‖² + ε) over the last dimension (width d), times ``scale`` where given, in x's dtype: RMSNorm
         with ε/d, the same formula (x/√(‖x‖²/d + ε/d)), the scale as its weight. CUDA runs it as one fused kernel
-        forward and one backward (torch's ``_fused_rms_norm``: ‖x‖² accumulated in float32 at least, a float64 network
-        stays float64; the scale's gradient from the weight's, which that backward computes), where the sum of
+        forward and one backward, and one more for the weight's gradient (torch's ``_fused_rms_norm``: ‖x‖² accumulated
+        in float32 at least, a float64 network stays float64; the scale's gradient from the weight's), where the sum of
         squares spelled out took a product, a sum, a float32 copy for the backward and five passes back; and a
         scale applied to the output would keep that output for its own gradient."""
         width = x.shape[-1]
-        weight = None if scale is None else scale.to(x.dtype).expand(width)  # x's dtype: CUDA's fused kernel's
+        # in x's dtype (CUDA's fused kernel takes no other) and contiguous (it would copy a strided one each way)
+        weight = None if scale is None else scale.expand(width).to(x.dtype).contiguous()
         with autocast_off(x.device.type):  # in x's dtype: torch 2.14's CUDA autocast would run it in float32
             # contiguous: the attention's q, k and v are strided views of one projection, which CUDA's kernel would
             # copy in the forward and again in the backward; one copy here serves both
@@ -65,7 +66,7 @@ class ScaledCosineKernel(nn.Module):
         factor, not on x."""
         if fused_norm_on(x.device):
             factor = 1.0 / math.sqrt(x.shape[-1])
-            return self.unit(x, x.new_tensor(factor) if scale is None else scale * factor)
+            return self.unit(x, x.new_full((), factor) if scale is None else scale * factor)
         factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=accumulation_dtype(x.dtype)) + self.eps)
         if scale is not None:
             factor = factor * scale

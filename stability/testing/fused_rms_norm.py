@@ -5,8 +5,9 @@ the rows' reciprocal RMS (float32 at least), and its backward ``_fused_rms_norm_
 incoming gradient, x and the saved statistics and writes the input's (and the weight's) gradient; where the backward
 must itself be differentiable (``create_graph``), autograd runs torch's composite backward instead. The CPU has no
 such kernel: ``F.rms_norm`` runs as its composite, about ten operators each way, which a counted step would charge
-as a GPU's. Inside :func:`counted_as_on_cuda` (which ``gpu_model.cuda_path`` enters), ``F.rms_norm`` calls the two
-operators here instead: the same arithmetic, each one operator to the counter, with the inputs and outputs of
+as a GPU's. The weight's gradient is a kernel of its own (two over many rows), and a strided input or weight is copied
+in each direction. Inside :func:`counted_as_on_cuda` (which ``gpu_model.cuda_path`` enters), ``F.rms_norm`` calls the
+operators here instead: the same arithmetic, each kernel one operator to the counter, with the inputs and outputs of
 CUDA's kernels.
 """
 from __future__ import annotations
@@ -59,15 +60,39 @@ def _(x, width, weight, eps):
 
 @torch.library.custom_op("stability::fused_rms_norm_backward", mutates_args=())
 def fused_rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
-                            width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the input's gradient, the weight's or an empty tensor): ``_fused_rms_norm_backward``'s outputs."""
-    grad_x, grad_weight = _backward(grad, x, rstd, weight, width)
-    return grad_x, grad_x.new_empty(0) if grad_weight is None else grad_weight
+                            width: int) -> torch.Tensor:
+    """The input's gradient: the first kernel of ``_fused_rms_norm_backward``."""
+    return _backward(grad, x, rstd, weight, width)[0]
 
 
 @fused_rms_norm_backward.register_fake
 def _(grad, x, rstd, weight, width):
-    return x.new_empty(x.shape), x.new_empty(0) if weight is None else weight.new_empty(weight.shape)
+    return x.new_empty(x.shape)
+
+
+# the weight's gradient is a kernel of its own, which reads the gradient and x again; over more than this many rows it
+# writes partial sums (one per ROWS_PER_PARTIAL rows, in the weight's dtype) that a second kernel adds up (torch's
+# CUDA layer-norm code, which its RMSNorm shares, as read; not profiled)
+MANY_ROWS, ROWS_PER_PARTIAL = 65_536, 32
+
+
+@torch.library.custom_op("stability::fused_rms_norm_weight_partials", mutates_args=())
+def fused_rms_norm_weight_partials(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                                   width: int) -> torch.Tensor:
+    """Σ g ⊙ x·r over each block of ROWS_PER_PARTIAL rows (all rows in one block up to MANY_ROWS), (blocks, *w)."""
+    rows = (grad.to(rstd.dtype) * x.to(rstd.dtype) * rstd).reshape(-1, *weight.shape)
+    blocks = _blocks(rows.shape[0])
+    padded = torch.cat([rows, rows.new_zeros(blocks * -(-rows.shape[0] // blocks) - rows.shape[0], *weight.shape)])
+    return padded.reshape(blocks, -1, *weight.shape).sum(1).to(weight.dtype)
+
+
+def _blocks(rows: int) -> int:
+    return -(-rows // ROWS_PER_PARTIAL) if rows > MANY_ROWS else 1
+
+
+@fused_rms_norm_weight_partials.register_fake
+def _(grad, x, rstd, weight, width):
+    return weight.new_empty(_blocks(x.numel() // weight.numel()), *weight.shape)
 
 
 def _setup(ctx, inputs, output):
@@ -86,8 +111,11 @@ def _autograd_backward(ctx, grad, _grad_rstd):
         rstd = torch.rsqrt(x.to(rstd.dtype).pow(2).mean(_reduced(x, ctx.width), keepdim=True) + ctx.eps)
         grad_x, grad_weight = _backward(grad, x, rstd, weight, ctx.width)
     else:
-        grad_x, grad_weight = fused_rms_norm_backward(grad, x, rstd, weight, ctx.width)
-        grad_weight = None if weight is None else grad_weight
+        grad_x = fused_rms_norm_backward(grad, x, rstd, weight, ctx.width)
+        grad_weight = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            partials = fused_rms_norm_weight_partials(grad, x, rstd, weight, ctx.width)
+            grad_weight = partials[0] if partials.shape[0] == 1 else partials.sum(0)
     return grad_x, None, grad_weight, None
 
 
@@ -108,6 +136,9 @@ class _CopiedEachWay(torch.autograd.Function):
         return grad.clone()
 
 
+_rms_norm = F.rms_norm  # torch's own
+
+
 def rms_norm_as_on_cuda(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
                         eps: float | None = None) -> torch.Tensor:
     """``F.rms_norm`` through the two single operators above, under CUDA's autocast policy for it where autocast is on
@@ -115,6 +146,10 @@ def rms_norm_as_on_cuda(input: torch.Tensor, normalized_shape, weight: torch.Ten
     epsilon of the statistics' dtype, as torch: float32's for bf16)."""
     from .cuda_autocast import applied_policies
 
+    if torch.compiler.is_compiling():  # a compiled graph decomposes torch's own, as a GPU's compile does
+        return _rms_norm(input, normalized_shape, weight, eps)
+    if weight is not None and not weight.is_contiguous():
+        weight = _CopiedEachWay.apply(weight)  # CUDA's kernels copy a strided weight too, each way
     if torch.is_autocast_enabled("cpu") and applied_policies().get("rms_norm") == "fp32":
         input, weight = (t if t is None or t.dtype == torch.float64 else t.float() for t in (input, weight))
     if not input.is_contiguous():
@@ -134,4 +169,5 @@ def counted_as_on_cuda() -> Iterator[None]:
         F.rms_norm = original
 
 
-__all__ = ["counted_as_on_cuda", "fused_rms_norm", "fused_rms_norm_backward", "rms_norm_as_on_cuda"]
+__all__ = ["counted_as_on_cuda", "fused_rms_norm", "fused_rms_norm_backward", "fused_rms_norm_weight_partials",
+           "rms_norm_as_on_cuda"]
