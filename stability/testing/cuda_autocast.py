@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from .gpu_model import _tensors
+
 LOWER, FP32, FP32_SET_DTYPE, FP32_APPEND_DTYPE, PROMOTE, BANNED, AS_IT_COMES = (
     "lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote", "banned", "none")
 
@@ -115,18 +117,10 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
 def _promoted(args: tuple, kwargs: dict) -> torch.dtype:
     """CUDA's ``promote_type``: the autocast dtype, float32 where an eligible input is float32."""
     lower = torch.get_autocast_dtype("cpu")
-    dtypes = {t.dtype for t in _tensors((args, tuple(kwargs.values()))) if _eligible(t)}
+    dtypes = {t.dtype for t in _tensors((args, kwargs)) if _eligible(t)}
     if dtypes - {lower, torch.float32}:
         raise RuntimeError(f"Unexpected floating ScalarType in at::autocast::prioritize: {sorted(map(str, dtypes))}")
     return torch.float32 if torch.float32 in dtypes else lower

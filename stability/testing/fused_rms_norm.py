@@ -18,9 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-
-def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..nn.precision import accumulation_dtype
 
 
 def _reduced(x: torch.Tensor, width: int) -> list[int]:
@@ -28,7 +26,7 @@ def _reduced(x: torch.Tensor, width: int) -> list[int]:
 
 
 def _forward(x: torch.Tensor, width: int, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    wide = x.to(_statistics_dtype(x.dtype))
+    wide = x.to(accumulation_dtype(x.dtype))
     rstd = torch.rsqrt(wide.pow(2).mean(_reduced(x, width), keepdim=True) + eps)
     y = wide * rstd
     return (y if weight is None else y * weight).to(x.dtype), rstd
@@ -55,7 +53,7 @@ def fused_rms_norm(x: torch.Tensor, width: int, weight: torch.Tensor | None,
 @fused_rms_norm.register_fake
 def _(x, width, weight, eps):
     shape = [*x.shape[: x.dim() - width], *[1] * width]
-    return x.new_empty(x.shape), x.new_empty(shape, dtype=_statistics_dtype(x.dtype))
+    return x.new_empty(x.shape), x.new_empty(shape, dtype=accumulation_dtype(x.dtype))
 
 
 @torch.library.custom_op("stability::fused_rms_norm_backward", mutates_args=())
@@ -154,7 +152,7 @@ def rms_norm_as_on_cuda(input: torch.Tensor, normalized_shape, weight: torch.Ten
         input, weight = (t if t is None or t.dtype == torch.float64 else t.float() for t in (input, weight))
     if not input.is_contiguous():
         input = _CopiedEachWay.apply(input)
-    eps = torch.finfo(_statistics_dtype(input.dtype)).eps if eps is None else eps
+    eps = torch.finfo(accumulation_dtype(input.dtype)).eps if eps is None else eps
     return fused_rms_norm(input, len(normalized_shape), weight, eps)[0]
 
 
