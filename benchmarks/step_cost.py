@@ -124,6 +124,8 @@ CASES = [
          reference="muon (no constraint)"),
     Case("muon hard_cap", "muon", {"constraint": "hard_cap"}, reference="muon (no constraint)", target=1.30,
          gpu_target=1.20),
+    Case("muon hard_cap, tf32x3", "muon", {"constraint": "hard_cap", "cap_products": "tf32x3"},
+         reference="muon (no constraint)", gpu_target=1.20),
     Case("muon hard_cap, exact", "muon", {"constraint": "hard_cap", "method": "exact"},
          reference="muon (no constraint)"),
     Case("qk_norm", "qk_norm", target=1.10, gpu_target=1.10),
@@ -480,7 +482,8 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
         predicted = 1000 * model.seconds(c)
         ref = reference.get(label, "none")
         ratio = predicted / (1000 * model.seconds(counts[ref]))
-        measured_ratio = measured[label] / measured[ref] if label in measured else float("nan")
+        measured_ratio = (f"{measured[label] / measured[ref]:.2f}×" if label in measured else "—") + \
+            ("" if ref == "none" else f" ({ref})")
         note = NOT_MODELLED.get(label, "") if label not in errors else f"{100 * errors[label]:+.0f}%"
         before = as_measured.get(label)
         if before is not None and (before.launches, round(before.bytes)) != (c.launches, round(c.bytes)):
@@ -488,7 +491,7 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
                      f"{1000 * model.seconds(before):.0f} ms predicted)")
         rows.append([label, int(c.launches), c.bytes / 1e9, c.flops["bf16"] / 1e12, c.flops["tf32"] / 1e12,
                      c.flops["fp32"] / 1e12, measured.get(label, float("nan")), predicted,
-                     f"{measured_ratio:.2f}×" + ("" if ref == "none" else f" ({ref})"), f"{ratio:.2f}×", note])
+                     measured_ratio, f"{ratio:.2f}×", note])
     constants = model.constants()
     median = sorted(abs(e) for e in errors.values())[len(errors) // 2]
     worst = max(errors, key=lambda k: abs(errors[k]))

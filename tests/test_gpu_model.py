@@ -235,3 +235,15 @@ def test_a_fitted_rate_stays_under_its_ceiling():
     assert low.flops_per_s["fp32"] == pytest.approx(3e13, rel=1e-5)
     with pytest.raises(ValueError, match="a ceiling bounds a rate"):
         fit(counts, seconds, "additive", fixed, ceilings={"launch_s": 1e-5})
+
+
+def test_a_product_in_place_is_counted_as_a_product():
+    """``baddbmm_`` and ``addmm_`` (not in torch's FLOP counter) count their out-of-place twin's FLOPs in the product's
+    precision and no bytes (a product's operands are in its FLOP term); a planted miss would count them as bytes."""
+    a, m = torch.randn(3, 8, 8), torch.randn(8, 8)
+    c = a.clone()
+    in_place = count(lambda: c.baddbmm_(a, a, beta=0.5))
+    assert in_place.flops["fp32"] == count(lambda: torch.baddbmm(a, a, a, beta=0.5)).flops["fp32"] == 2 * 3 * 8 ** 3
+    assert in_place.bytes == 0 and in_place.launches == 1
+    n = m.clone()
+    assert count(lambda: n.addmm_(m, m)).flops["fp32"] == 2 * 8 ** 3

@@ -110,9 +110,9 @@ def test_hard_caps_take_one_first_sign_a_wide_shape_and_one_second_sign(monkeypa
     calls = []
     iterate = constraints.newton_schulz
 
-    def counted(x, growth, polish):
+    def counted(x, growth, polish, split=False):
         calls.append(x.reshape(-1, *x.shape[-2:]).shape)
-        return iterate(x, growth, polish)
+        return iterate(x, growth, polish, split)
 
     monkeypatch.setattr(constraints, "newton_schulz", counted)
     gen = torch.Generator().manual_seed(9)

@@ -36,21 +36,79 @@ def _wide(matrix: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (matrix.mT if tall else matrix), tall
 
 
-def newton_schulz(x: torch.Tensor, growth: int, polish: int) -> torch.Tensor:
+# TF32 keeps float32's sign, exponent and top 10 of its 23 mantissa bits: masking the other 13 rounds towards zero
+TF32_MASK = -(1 << 13)
+
+
+def tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 X as hi + lo, exactly: hi its value with TF32's 10 mantissa bits (the low 13 masked off), lo = X − hi
+    (at most 2⁻¹⁰|X|, exact in float32). A product of two such sums taken as hi·hi + hi·lo + lo·hi on TF32 units
+    (which round their inputs to 10 bits) is the float32 product to ~2⁻²⁰ relative: hi is exact in TF32, lo's rounding
+    costs 2⁻¹⁰ of lo, and the dropped lo·lo is 2⁻²⁰ of the product (NVIDIA's "3xTF32" emulation of float32 on tensor
+    cores, as in CUTLASS)."""
+    hi = (x.view(torch.int32) & TF32_MASK).view(torch.float32)
+    return hi, x - hi
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, out: torch.Tensor | None = None, beta: float = 0.0,
+         alpha: float = 1.0, a_parts: tuple | None = None, b_parts: tuple | None = None,
+         reuse_out: bool = False) -> torch.Tensor:
+    """β·out + α·(a @ b) for stacks (G, m, k) and (G, k, n). ``split``: as three TF32 products, the small ones first
+    (lo·hi, hi·lo, then hi·hi, each accumulated in place: no copy), the float32 product to ~2⁻²⁰ where TF32 is on
+    (:func:`tf32_parts`; ``a_parts``/``b_parts``: those of a and b, where already split), and the same value as one
+    IEEE product, to float32 rounding, where it is off. ``reuse_out``: split, the result is written into ``out`` (a
+    tensor of the caller's own that it no longer needs; the products read only the parts), which saves CUDA's copy
+    of it."""
+    if not split:
+        if out is None:
+            return torch.bmm(a, b) if alpha == 1.0 else torch.mul(torch.bmm(a, b), alpha)
+        return torch.baddbmm(out, a, b, beta=beta, alpha=alpha)
+    (a_hi, a_lo), (b_hi, b_lo) = a_parts or tf32_parts(a), b_parts or tf32_parts(b)
+    if out is None:
+        result = torch.bmm(a_lo, b_hi) if alpha == 1.0 else torch.mul(torch.bmm(a_lo, b_hi), alpha)
+    elif reuse_out:
+        result = out.baddbmm_(a_lo, b_hi, beta=beta, alpha=alpha)
+    else:
+        result = torch.baddbmm(out, a_lo, b_hi, beta=beta, alpha=alpha)
+    return result.baddbmm_(a_hi, b_lo, alpha=alpha).baddbmm_(a_hi, b_hi, alpha=alpha)
+
+
+def _transposed(parts: tuple[torch.Tensor, torch.Tensor] | None) -> tuple | None:
+    return None if parts is None else (parts[0].mT, parts[1].mT)
+
+
+def split_products_on(device: torch.device) -> bool:
+    """Whether the hard cap takes its float32 products as three TF32 products each (:func:`tf32_parts`): on a CUDA
+    GPU with TF32 tensor cores (compute capability 8.0 on), where the three take a fraction of one IEEE float32
+    product's time (an H200: 495 against 67 TFLOP/s dense). Elsewhere one IEEE product each."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def newton_schulz(x: torch.Tensor, growth: int, polish: int, split: bool = False) -> torch.Tensor:
     """``growth`` quintic steps, then ``polish`` cubic steps X ← 1.5X − 0.5XXᵀX, on a wide X with
     σ₁ ≤ 1. Each step maps every singular value s by a scalar polynomial and keeps the singular
     vectors; the cubic converges quadratically to 1 from (0, √3) and never exceeds 1, so after at least
     one cubic step every value is in [0, 1]. The scalings and sums ride on the products (``baddbmm``): a quintic
     step is three operators, a cubic one two, where the written-out form took eight and five (on a GPU each ``baddbmm``
-    with β ≠ 0 also copies its input first: five and three kernels)."""
+    with β ≠ 0 also copies its input first: five and three kernels). ``split``: every product as three TF32 products
+    (:func:`_bmm`), for float32 on a GPU with TF32 on: X split once a step."""
     a, b, c = JORDAN_QUINTIC
     shape = x.shape
     x = x.reshape(-1, *shape[-2:])  # a stack (G, m, n): each step is three (quintic) or two (cubic) batched products
+    ours = False  # whether x is an iterate of this call (split, it is then updated in place), not the caller's input
     for _ in range(growth):
-        gram = torch.bmm(x, x.mT)
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # aX + (bG + cG²)X
+        parts = tf32_parts(x) if split else None
+        gram = _bmm(x, x.mT, split, a_parts=parts, b_parts=_transposed(parts))
+        gram_parts = tf32_parts(gram) if split else None
+        poly = _bmm(gram, gram, split, out=gram, beta=b, alpha=c, a_parts=gram_parts, b_parts=gram_parts,
+                    reuse_out=True)  # bG + cG²
+        x = _bmm(poly, x, split, out=x, beta=a, b_parts=parts, reuse_out=ours)  # aX + (bG + cG²)X
+        ours = True
     for _ in range(polish):
-        x = torch.baddbmm(x, torch.bmm(x, x.mT), x, beta=1.5, alpha=-0.5)  # 1.5X − 0.5(XXᵀ)X
+        parts = tf32_parts(x) if split else None
+        gram = _bmm(x, x.mT, split, a_parts=parts, b_parts=_transposed(parts))
+        x = _bmm(gram, x, split, out=x, beta=1.5, alpha=-0.5, b_parts=parts, reuse_out=ours)  # 1.5X − 0.5(XXᵀ)X
+        ours = True
     return x.reshape(shape)
 
 
@@ -67,12 +125,13 @@ def cubic_steps(start: float, tolerance: float = 1e-7, most: int = 12) -> int:
 
 
 def msign(matrix: torch.Tensor, growth: int = 6, polish: int = 4,
-          scale: float | torch.Tensor | None = None) -> torch.Tensor:
+          scale: float | torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
     """Matrix sign U Vᵀ of M = U Σ Vᵀ by Newton–Schulz, matmuls only (Newhouse et al. 2025, after Muon).
 
     M is divided by ``scale`` (an upper bound of σ₁; by default ‖M‖_F) so that every singular value is in
     [0, 1]; singular values s ≥ 1e-3·scale then come out within 1e-5 of 1 with the defaults (tests), smaller
-    ones lower (0 stays 0). With a ``scale`` close to σ₁, the top values need no growth steps."""
+    ones lower (0 stays 0). With a ``scale`` close to σ₁, the top values need no growth steps. ``split``: its
+    products as three TF32 products each (:func:`newton_schulz`)."""
     x, tall = _wide(matrix)
     if scale is None:
         scale = x.flatten(-2).norm(dim=-1)[..., None, None]
@@ -82,7 +141,7 @@ def msign(matrix: torch.Tensor, growth: int = 6, polish: int = 4,
     # input (a max of it is a node that AOTAutograd cannot turn into a tensor, and it would recompile each step)
     x = x / (scale + torch.finfo(x.dtype).tiny if isinstance(scale, torch.Tensor) else
              scale if scale > 1e-30 else 1e-30)
-    x = newton_schulz(x, growth, polish)
+    x = newton_schulz(x, growth, polish, split)
     return x.mT if tall else x
 
 
@@ -94,7 +153,7 @@ def msign_svd(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def hard_cap(weight: torch.Tensor, sigma_max: float, bound: float | None = None, sign_growth: int = 8,
-             sign_polish: int = 4) -> torch.Tensor:
+             sign_polish: int = 4, split: bool = False) -> torch.Tensor:
     """Spectral hard cap W ↦ U·min(Σ, β)·Vᵀ in RMS units (β = σ_max), by the msign formula, matmuls only:
 
         cap(M; β) = ½[β f(M) + M − f(βI − f(M)Mᵀ)(β f(M) − M)],   f = msign          (Newhouse et al. 2025)
@@ -107,20 +166,25 @@ def hard_cap(weight: torch.Tensor, sigma_max: float, bound: float | None = None,
     the values at β start near 1 and four cubic steps suffice (Muon's step bound). The second sign
     is taken on the small side (r × r, r = min(d_in, d_out)), its input scaled by max(β, ub − β) ≥ its
     spectral norm; ``sign_growth`` quintic steps resolve β − σ down to ~3e-5·β, ``sign_polish`` cubic steps
-    finish it. Matches the SVD cap
-    to ~1e-5·β (tests, float32)."""
-    return hard_caps([weight], sigma_max, bound, sign_growth, sign_polish)[0]
+    finish it. Matches the SVD cap to ~1e-5·β (tests, float32).
+
+    ``split``: every product as three TF32 products (:func:`tf32_parts`), for float32 weights where TF32 is
+    on (a GPU: :func:`split_products_on`): the same cap to float32's tolerance at tensor-core speed, where one TF32
+    product a step (10-bit mantissas) leaves the cap ~1e-3·β off (tests, with TF32 emulated on the CPU)."""
+    return hard_caps([weight], sigma_max, bound, sign_growth, sign_polish, split)[0]
 
 
 def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None = None, sign_growth: int = 8,
-              sign_polish: int = 4) -> list[torch.Tensor]:
+              sign_polish: int = 4, split: bool = False) -> list[torch.Tensor]:
     """:func:`hard_cap` of each matrix or stack (…, m, n) in ``weights``, their iterations batched: the stacks that
     have one shape once made wide (a tall one transposed, e.g. an MLP's two matrices) take one first sign, and every
     second sign (r × r) runs in one Newton–Schulz batch, each padded with zeros to the largest r. This changes no
     value beyond rounding: each step maps a block-diagonal matrix block by block, and zero rows and columns stay zero.
     On a GPU it is the launches of one shape's iterations instead of one per shape and orientation. All of
     ``weights`` share one dtype and device (batched, mixed dtypes promoted a float32 matrix's result to float64, or
-    failed in a product of two)."""
+    failed in a product of two). ``split``: as in :func:`hard_cap` (float32 only)."""
+    if split and weights[0].dtype != torch.float32:
+        raise ValueError(f"hard_caps: split=True splits float32 products for TF32 units; got {weights[0].dtype}")
     if any(w.dtype != weights[0].dtype or w.device != weights[0].device for w in weights[1:]):
         kinds = sorted({f"{w.dtype} on {w.device}" for w in weights})
         raise ValueError(f"hard_caps: the weights are batched together and must share one dtype and device; got "
@@ -135,13 +199,14 @@ def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None
     for m in merged:
         if bound is not None:  # values at β start at β/bound: cubic steps alone take them to 1 when it is near 1
             near = bound <= 1.5 * sigma_max
-            f = msign(m, growth=0 if near else 6, polish=cubic_steps(sigma_max / bound) if near else 4, scale=bound)
+            f = msign(m, growth=0 if near else 6, polish=cubic_steps(sigma_max / bound) if near else 4, scale=bound,
+                      split=split)
             upper = bound
         else:
-            f = msign(m)
+            f = msign(m, split=split)
             upper = m.flatten(-2).norm(dim=-1)[..., None, None]  # ‖M‖_F ≥ σ₁
         eye = torch.eye(m.shape[-2], dtype=m.dtype, device=m.device)
-        sign_input = sigma_max * eye - f @ m.mT  # (r, r): eigenvalues β − pσ ∈ [β − ub, β]
+        sign_input = _bmm(f, m.mT, split, out=eye, beta=sigma_max, alpha=-1.0)  # (r, r): eigenvalues in [β − ub, β]
         sign_scale = torch.clamp(upper - sigma_max, min=sigma_max) if isinstance(upper, torch.Tensor) else \
             upper - sigma_max if upper - sigma_max > sigma_max else sigma_max  # (no max(): as in msign)
         signs.append(f)
@@ -149,11 +214,12 @@ def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None
     largest = max(x.shape[-1] for x in sign_inputs)
     padded = [x if x.shape[-1] == largest else torch.nn.functional.pad(x, (0, largest - x.shape[-1]) * 2)
               for x in sign_inputs]
-    together = newton_schulz(padded[0] if len(padded) == 1 else torch.cat(padded), sign_growth, sign_polish)
+    together = newton_schulz(padded[0] if len(padded) == 1 else torch.cat(padded), sign_growth, sign_polish, split)
     results: list[torch.Tensor | None] = [None] * len(weights)
     for m, f, x, q, group in zip(merged, signs, sign_inputs, together.split([len(x) for x in sign_inputs]), members):
         r = x.shape[-1]
-        capped = 0.5 * (sigma_max * f + m - q[:, :r, :r] @ (sigma_max * f - m))
+        capped = _bmm(q[:, :r, :r], sigma_max * f - m, split, out=sigma_max * f + m, beta=0.5, alpha=-0.5,
+                      reuse_out=True)
         for i, part in zip(group, capped.split([len(flat[i]) for i in group])):
             tall = wide[i][1]
             part = part.reshape(wide[i][0].shape)

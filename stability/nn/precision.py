@@ -67,6 +67,22 @@ def float32_math(device_type: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool = True) -> Iterator[None]:
+    """TF32 float32 matmuls inside the block where ``enabled`` (nothing changes where not), the caller's setting
+    restored after: for products split into TF32 parts (:func:`stability.nn.constraints.tf32_parts`), whose three TF32
+    products give the float32 product. Convolutions keep their setting."""
+    if not enabled:
+        yield
+        return
+    matmul = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+
+
 def allow_tf32_training() -> None:
     """TF32 matmuls and convolutions for training on a CUDA GPU (Ampere and later: several times the
     float32 throughput at a 10-bit mantissa); measurements and per-step constraints switch it off
@@ -75,4 +91,5 @@ def allow_tf32_training() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
-__all__ = ["accumulation_dtype", "allow_tf32_training", "at_least_float32", "float32_math", "ieee_float32"]
+__all__ = ["accumulation_dtype", "allow_tf32_training", "at_least_float32", "float32_math", "ieee_float32",
+           "tf32_matmuls"]

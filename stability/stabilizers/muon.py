@@ -43,7 +43,7 @@ from torch import nn
 
 from ..models import ROLES, linear_layers, linear_role, split_qkv
 from ..nn import constraints
-from ..nn.precision import accumulation_dtype, float32_math
+from ..nn.precision import accumulation_dtype, float32_math, tf32_matmuls
 from ..nn.spectral import RECOMPILE_LIMIT, SubspaceIteration, TopSingular, grouped_by_shape, rms_scale, spectral_norms
 from ..optim import LR_SHAPE_FACTOR, nominal_lr
 from ..optim_combined import CombinedOptimizer
@@ -52,6 +52,7 @@ from .base import Stabilizer, register_stabilizer
 
 NS_COEFFICIENTS = constraints.JORDAN_QUINTIC  # torch.optim.Muon's defaults (Keller Jordan's quintic)
 CONSTRAINTS = ("none", "normalise", "hammer", "spectral_wd", "hard_cap", "soft_cap")
+CAP_PRODUCTS = ("float32", "tf32x3")
 LAYERS = ("hidden", "all")
 METHODS = ("iterative", "exact")
 POWER_CONSTRAINTS = ("normalise", "hammer", "spectral_wd")  # those that need the top singular triplet
@@ -170,6 +171,9 @@ class MuonConstrained(Stabilizer):
             :func:`newton_schulz_bound`) or ``measured`` (the exact norm of every update; AdamW always).
         method: ``iterative`` (matmuls only: Newton–Schulz, persistent power iteration) or ``exact`` (SVD).
         power_iterations: power-iteration steps per training step (normalise, hammer, spectral_wd).
+        cap_products: how the hard cap's float32 products run: ``float32`` (IEEE, TF32 off) or ``tf32x3`` (on a GPU
+            with TF32 units, each as three TF32 products of its operands' high and low parts: the same cap to float32
+            rounding, faster where IEEE float32 products are slow; elsewhere the same as ``float32``).
     """
 
     name = "muon"
@@ -186,7 +190,8 @@ class MuonConstrained(Stabilizer):
                  layers: Literal["hidden", "all"] = "hidden", split_qkv: bool = True,
                  update_scales: dict[str, float] | None = None,
                  update_norm: Literal["bound", "measured"] = "bound",
-                 method: Literal["iterative", "exact"] = "iterative", power_iterations: int = 2) -> None:
+                 method: Literal["iterative", "exact"] = "iterative", power_iterations: int = 2,
+                 cap_products: Literal["float32", "tf32x3"] = "float32") -> None:
         if constraint not in CONSTRAINTS:
             raise ValueError(f"muon: constraint must be one of {CONSTRAINTS}, got {constraint!r}")
         if optimizer not in ("muon", "adamw"):
@@ -202,6 +207,8 @@ class MuonConstrained(Stabilizer):
             raise ValueError(f"muon: method must be one of {METHODS}, got {method!r}")
         if power_iterations < 1:
             raise ValueError(f"muon: power_iterations must be >= 1, got {power_iterations}")
+        if cap_products not in CAP_PRODUCTS:
+            raise ValueError(f"muon: cap_products must be one of {CAP_PRODUCTS}, got {cap_products!r}")
         unknown = sorted(set(update_scales or {}) - set(ROLES))
         if unknown:
             raise ValueError(f"muon: update_scales has unknown roles {unknown}; valid: {list(ROLES)}")
@@ -209,7 +216,7 @@ class MuonConstrained(Stabilizer):
         self.weight_decay, self.constraint, self.sigma_max = weight_decay, constraint, sigma_max
         self.spectral_wd, self.optimizer, self.layers, self.split_qkv = spectral_wd, optimizer, layers, split_qkv
         self.update_scales, self.update_norm = dict(update_scales or {}), update_norm
-        self.method, self.power_iterations = method, power_iterations
+        self.method, self.power_iterations, self.cap_products = method, power_iterations, cap_products
         self._linears: list[nn.Linear] = []
         self._matrices: list[nn.Parameter] = []
         self._power: SubspaceIteration | None = None
@@ -370,15 +377,18 @@ class MuonConstrained(Stabilizer):
             else None
         compiled = getattr(self, "_compile_constraint", False) and not exact
         together = self.constraint == "hard_cap" and not exact  # every shape's sign iterations in one batch
+        # float32 products as three TF32 products each where asked for and a GPU has TF32 units (the same cap)
+        split = (together and getattr(self, "cap_products", "float32") == "tf32x3"
+                 and weights[0].dtype == torch.float32 and constraints.split_products_on(device))
         if compiled and self._compiled_constraint is None:
             self._compiled_constraint = torch.compile(self._cap_all if together else self._constrain, fullgraph=True)
         constrain = self._compiled_constraint if compiled else self._cap_all if together else self._constrain
-        with float32_math(device.type):
+        with float32_math(device.type), tf32_matmuls(split):
             groups = list(groups or self._groups_by_shape(weights, exact))
             if compiled:  # a graph for each shape (the hard cap: one for all); α and the bound its inputs
                 for group in groups:
                     torch._dynamo.mark_static(group.weight)
-            projected = constrain([group.weight for group in groups], largest) if together else \
+            projected = constrain([group.weight for group in groups], largest, split) if together else \
                 [constrain(group, largest, exact, self.last_alpha) for group in groups]
             for group, stack in zip(groups, projected):
                 torch._foreach_copy_([weights[i] for i in group.indices], list(stack.unbind(0)))
@@ -389,9 +399,10 @@ class MuonConstrained(Stabilizer):
                             None, None)
                 for indices, stacked in grouped_by_shape([w.detach() for w in weights])]
 
-    def _cap_all(self, stacks: list[torch.Tensor], largest: float | None) -> list[torch.Tensor]:
-        """The hard cap of every shape group's stack (G, m, n), their sign iterations batched together."""
-        return constraints.hard_caps(stacks, self.sigma_max, bound=largest)
+    def _cap_all(self, stacks: list[torch.Tensor], largest: float | None, split: bool = False) -> list[torch.Tensor]:
+        """The hard cap of every shape group's stack (G, m, n), their sign iterations batched together; ``split``:
+        each product as three TF32 products (:func:`constraints.tf32_parts`), TF32 on around the call."""
+        return constraints.hard_caps(stacks, self.sigma_max, bound=largest, split=split)
 
     def _constrain(self, group: TopSingular, largest: float | None, exact: bool, alpha: float) -> torch.Tensor:
         """The constrained matrices of one shape group (G, m, n); ``alpha``: the soft cap's α this step."""

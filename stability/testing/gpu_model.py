@@ -98,8 +98,11 @@ def _cpu_attention_flops(name: str, args: tuple, kwargs: dict) -> int | None:
 
 
 def matrix_flops(func, args: tuple, kwargs: dict, out: Any) -> int | None:
-    """FLOPs of a matrix product (None for any other operator)."""
+    """FLOPs of a matrix product (None for any other operator); an in-place one (``baddbmm_``, ``addmm_``, which
+    torch's FLOP counter does not list) by its out-of-place twin's formula."""
     packet = func.overloadpacket
+    if packet not in flop_registry and packet.__name__.endswith("_"):
+        packet = getattr(torch.ops.aten, packet.__name__[:-1], packet)
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
     return _cpu_attention_flops(packet.__name__, args, kwargs)
@@ -301,14 +304,15 @@ def cuda_path(module) -> Iterator[None]:
     in place of the CPU's (:func:`.cuda_autocast.cuda_autocast`: LayerNorm on bf16 inputs in float32, sums and
     softmaxes accumulated in float32, ...), and RMSNorm as CUDA's fused kernel, one operator each way
     (:func:`.fused_rms_norm.counted_as_on_cuda`, where the CPU runs a composite), which LipsFormer's cosine
-    attention takes on CUDA (``cosine_attention.fused_norm_on``)."""
+    attention takes on CUDA (``cosine_attention.fused_norm_on``), and the hard cap's float32 products as three TF32
+    products each (``constraints.split_products_on``: counted as TF32 FLOPs)."""
     from .. import optim
-    from ..nn import cosine_attention, dot_attention, row_statistics
+    from ..nn import constraints, cosine_attention, dot_attention, row_statistics
     from .cuda_autocast import cuda_autocast
     from .fused_rms_norm import counted_as_on_cuda
 
     saved = (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
-             row_statistics.attention_lse, cosine_attention.fused_norm_on)
+             row_statistics.attention_lse, cosine_attention.fused_norm_on, constraints.split_products_on)
 
     def fused_sdpa(q, k, v, scale, cap, compiled=True, backend="inductor"):
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
@@ -323,6 +327,7 @@ def cuda_path(module) -> Iterator[None]:
     dot_attention.softcapped_attention = fused_sdpa
     row_statistics.attention_lse = flash_lse
     cosine_attention.fused_norm_on = lambda device: True
+    constraints.split_products_on = lambda device: True
     for stabilizer in module.stabilizers:
         stabilizer.on_device(torch.device("cuda"))
     module._stabilizers_device = torch.device("cpu")  # the module does not ask again on the CPU tensors
@@ -333,7 +338,7 @@ def cuda_path(module) -> Iterator[None]:
             yield
     finally:
         (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
-         row_statistics.attention_lse, cosine_attention.fused_norm_on) = saved
+         row_statistics.attention_lse, cosine_attention.fused_norm_on, constraints.split_products_on) = saved
 
 
 # ------------------------------------------------------------------------------------------------------- the model
