@@ -85,6 +85,12 @@ def test_split_product_is_the_float32_product_under_tf32(rounding, monkeypatch):
 
     assert error(True) <= 1e-6
     assert error(False) > 1e-4
+    with emulated_tf32(rounding), tf32_matmuls():  # a @ b alone, split
+        alone = constraints._bmm(a, b, True)
+    product = a.double() @ b.double()
+    assert float(torch.linalg.norm(alone.double() - product) / torch.linalg.norm(product)) <= 1e-6
+    with pytest.raises(ValueError, match=r"alpha=2.0 needs an out"):
+        constraints._bmm(a, b, True, alpha=2.0)
     for planted in (wrong_mask_parts, no_low_parts):
         monkeypatch.setattr(constraints, "tf32_parts", planted)
         assert error(True) > 1e-5, planted.__name__
@@ -218,3 +224,27 @@ def test_on_a_gpu_the_split_hard_cap_with_tf32_on_matches_the_svd_cap():
                 else:
                     unsplit.append(error)
     assert max(unsplit) > 2e-4
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_muon_with_tf32x3_projects_as_with_ieee_products():
+    """CUDA: MuonConstrained's hard cap with ``cap_products: tf32x3`` (split, TF32 really on) gives the weights the
+    IEEE products give, to 1e-5 over three steps, and TF32 is set back afterwards."""
+    def trained(products: str):
+        torch.manual_seed(0)
+        module = ImageClassifier(backbone_options=VIT, stabilizer="muon", lr=1e-3, stabilizer_options={
+            "muon": {"constraint": "hard_cap", "lr": 0.2, "sigma_max": 1.0, "cap_products": products}}).cuda()
+        stab = module.stabilizers[0]
+        optimizer = stab.build_optimizer(module.network, lambda named: torch.optim.SGD([p for _, p in named], lr=0.0))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in module.parameters():
+                p.grad = torch.randn(p.shape, generator=gen).cuda()
+            optimizer.step()
+            stab.after_optimizer_step(module.network)
+        return [p.detach().cpu() for p in stab._matrices]
+
+    precision = torch.get_float32_matmul_precision()
+    for a, b in zip(trained("float32"), trained("tf32x3")):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert torch.get_float32_matmul_precision() == precision

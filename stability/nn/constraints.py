@@ -5,7 +5,8 @@ All act on M = sqrt(d_in/d_out)·W, whose spectral norm is the RMS→RMS norm of
 target σ_max in those units. Each returns the new W; all accept a stack of matrices (..., m, n).
 
 Per training step they use matmuls only — no SVD, no eigensolver, no host sync — and run in the
-weights' own precision (float32; callers switch autocast and TF32 off, :mod:`stability.nn.precision`):
+weights' own precision (float32; callers switch autocast and TF32 off, :mod:`stability.nn.precision`, or, for the hard
+cap with ``split``, take each product as three TF32 products that give float32's: :func:`tf32_parts`):
 
 * :func:`msign` (U Vᵀ) by Newton–Schulz iterations and the exact :func:`hard_cap` U·min(Σ, β)·Vᵀ from
   it by the msign formula;
@@ -45,7 +46,8 @@ def tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (at most 2⁻¹⁰|X|, exact in float32). A product of two such sums taken as hi·hi + hi·lo + lo·hi on TF32 units
     (which round their inputs to 10 bits) is the float32 product to ~2⁻²⁰ relative: hi is exact in TF32, lo's rounding
     costs 2⁻¹⁰ of lo, and the dropped lo·lo is 2⁻²⁰ of the product (NVIDIA's "3xTF32" emulation of float32 on tensor
-    cores, as in CUTLASS)."""
+    cores; CUTLASS rounds hi to the nearest TF32 value, which halves hi's share of the error, where a mask truncates
+    it in one kernel)."""
     hi = (x.view(torch.int32) & TF32_MASK).view(torch.float32)
     return hi, x - hi
 
@@ -53,19 +55,19 @@ def tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, out: torch.Tensor | None = None, beta: float = 0.0,
          alpha: float = 1.0, a_parts: tuple | None = None, b_parts: tuple | None = None,
          reuse_out: bool = False) -> torch.Tensor:
-    """β·out + α·(a @ b) for stacks (G, m, k) and (G, k, n). ``split``: as three TF32 products, the small ones first
-    (lo·hi, hi·lo, then hi·hi, each accumulated in place: no copy), the float32 product to ~2⁻²⁰ where TF32 is on
-    (:func:`tf32_parts`; ``a_parts``/``b_parts``: those of a and b, where already split), and the same value as one
-    IEEE product, to float32 rounding, where it is off. ``reuse_out``: split, the result is written into ``out`` (a
-    tensor of the caller's own that it no longer needs; the products read only the parts), which saves CUDA's copy
-    of it."""
+    """β·out + α·(a @ b) for stacks (G, m, k) and (G, k, n); a @ b where ``out`` is None. ``split``: as three TF32
+    products, the small ones first (lo·hi, hi·lo, then hi·hi, each accumulated in place: no copy), the float32
+    product to ~2⁻²⁰ where TF32 is on (:func:`tf32_parts`; ``a_parts``/``b_parts``: those of a and b, where already
+    split), and the same value as one IEEE product, to float32 rounding, where it is off. ``reuse_out``: split, the
+    result is written into ``out`` (a tensor of the caller's own that it no longer needs; the products read only the
+    parts), which saves CUDA's copy of it."""
+    if out is None and alpha != 1.0:
+        raise ValueError(f"_bmm: alpha={alpha} needs an out (a @ b alone is taken with alpha 1)")
     if not split:
-        if out is None:
-            return torch.bmm(a, b) if alpha == 1.0 else torch.mul(torch.bmm(a, b), alpha)
-        return torch.baddbmm(out, a, b, beta=beta, alpha=alpha)
+        return torch.bmm(a, b) if out is None else torch.baddbmm(out, a, b, beta=beta, alpha=alpha)
     (a_hi, a_lo), (b_hi, b_lo) = a_parts or tf32_parts(a), b_parts or tf32_parts(b)
     if out is None:
-        result = torch.bmm(a_lo, b_hi) if alpha == 1.0 else torch.mul(torch.bmm(a_lo, b_hi), alpha)
+        result = torch.bmm(a_lo, b_hi)
     elif reuse_out:
         result = out.baddbmm_(a_lo, b_hi, beta=beta, alpha=alpha)
     else:
@@ -79,9 +81,10 @@ def _transposed(parts: tuple[torch.Tensor, torch.Tensor] | None) -> tuple | None
 
 def split_products_on(device: torch.device) -> bool:
     """Whether the hard cap takes its float32 products as three TF32 products each (:func:`tf32_parts`): on a CUDA
-    GPU with TF32 tensor cores (compute capability 8.0 on), where the three take a fraction of one IEEE float32
-    product's time (an H200: 495 against 67 TFLOP/s dense). Elsewhere one IEEE product each."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    GPU with TF32 tensor cores (compute capability 8.0 on; not ROCm, where torch's setting does not turn TF32 on by
+    default), where the three may take less time than one IEEE float32 product (an H200: 495 against 67 TFLOP/s
+    dense). Elsewhere one IEEE product each."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def newton_schulz(x: torch.Tensor, growth: int, polish: int, split: bool = False) -> torch.Tensor:
