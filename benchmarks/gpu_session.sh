@@ -16,8 +16,10 @@
 #   phases      the MNIST config's 10 epochs by phase, eager and with CUDA graphs (--model.compile_mode
 #               reduce-overhead) (1.3 min eager on 2026-11-28)
 #   loop        stability fit against the hand-written loop, eager and captured (0.5 min)
-#   steps       every stabilizer's training step, ViT-S at 256 tokens, bf16, eager (1.6 min); then the baseline, qk_norm
-#               and JaSMin eager and compiled (a second command: a cut there keeps the eager table)
+#   steps       the matrix-product rates the step model prices (bf16, TF32, IEEE float32, 3xTF32: benchmarks/
+#               matmul_rates.py, seconds); every stabilizer's training step, ViT-S at 256 tokens, bf16, eager (1.6 min);
+#               then the baseline, qk_norm and JaSMin eager and compiled (a second command: a cut there keeps the eager
+#               table)
 #   autoattack  the official AutoAttack ℓ2 1.58 on all 10,000 MNIST test images for the published certified
 #               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
 #               MNIST files under data/MNIST/raw
@@ -85,6 +87,7 @@ part_loop() {
 }
 
 part_steps() {
+    run matmul_rates "${LIMIT_MATMUL:-60}" python benchmarks/matmul_rates.py --device cuda --out "$OUT/matmul_rates.md"
     run steps "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small --tokens 256 \
         --precision bf16 --repeats 3 --out "$OUT/step_cost.md"
     run steps_compiled "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small \

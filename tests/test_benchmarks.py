@@ -60,6 +60,23 @@ def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
     assert refused[6] == "refused" and "cannot train compiled" in refused[8]
 
 
+def test_matmul_rates_time_every_precision_at_every_shape(tmp_path):
+    """Each shape's product in bf16, TF32, IEEE float32 and as three TF32 products, with its time, its rate (the
+    product's FLOPs over its time, for every precision) and the model's assumed rate; a verdict per shape; on the CPU,
+    the note that it has no TF32 units."""
+    text = run_benchmark("matmul_rates.py", tmp_path / "rates.md")
+    rows = table_rows(text)
+    assert [row[1] for row in rows] == ["bf16", "tf32", "float32", "tf32x3"] * 3
+    for row in rows:
+        milliseconds, rate = float(row[2]), float(row[3])
+        batch, m, k, n = {"tiny stack (2 × 16²)": (2, 16, 16, 16), "tiny Gram (2 × 16 × 48)": (2, 16, 48, 16),
+                          "square 64³": (1, 64, 64, 64)}[row[0]]
+        flops = 2 * batch * m * k * n
+        assert milliseconds > 0 and rate == pytest.approx(flops / (milliseconds / 1000) / 1e12, rel=0.02)
+    assert [row[4] for row in rows[:4]] == ["593", "297", "14.7", "—"]
+    assert text.count("tf32x3 takes") == 3 and "cpu has no TF32 units" in text
+
+
 def test_host_profile_lists_a_steps_operators_and_counts(tmp_path):
     """benchmarks/host_profile.py profiles the training steps it names and writes the table and the per-step counts
     as it goes."""
