@@ -3,13 +3,13 @@ units takes: float32's cap, where one TF32 product a step is ~1e-3·β off. TF32
 (``stability.testing.tf32``) under both roundings a tensor core may apply."""
 import pytest
 import torch
+from test_muon import VIT, _set_grads, rms_singular_values, spectrum_cases
 
 from stability.classifier import ImageClassifier
 from stability.nn import constraints
 from stability.nn.precision import tf32_matmuls
 from stability.testing.gpu_model import count
 from stability.testing.tf32 import ROUNDINGS, emulated_tf32, to_tf32
-from tests.test_muon import VIT, _set_grads, rms_singular_values, spectrum_cases
 
 IEEE_PARTS = constraints.tf32_parts
 
