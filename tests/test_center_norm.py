@@ -124,9 +124,60 @@ def test_a_backward_run_under_cuda_autocast_keeps_float32(monkeypatch):
             return outputs_and_gradients(center_norm, *args)
 
     assert_all_close(under_autocast(), want, 1e-5)
-    monkeypatch.setattr(center_norm_module, "_autocast_off", lambda tensor: torch.autocast("cpu", enabled=True))
+    monkeypatch.setattr(center_norm_module, "autocast_off", lambda device_type: torch.autocast("cpu", enabled=True))
     with pytest.raises(AssertionError):
         assert_all_close(under_autocast(), want, 1e-5)
+
+
+@pytest.mark.parametrize("trained", [(True, False), (False, True), (False, False)], ids=["bias-frozen",
+                                                                                    "weight-frozen", "both-frozen"])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_frozen_parameters_get_no_gradient_and_the_others_theirs(trained, create_graph):
+    x, weight, bias, upstream = inputs(torch.float64)
+
+    def gradients(function):
+        leaves = [x.clone().requires_grad_(True), weight.clone().requires_grad_(trained[0]),
+                  bias.clone().requires_grad_(trained[1])]
+        wanted = [t for t in leaves if t.requires_grad]
+        return torch.autograd.grad(function(*leaves), wanted, upstream, create_graph=create_graph)
+
+    assert_all_close(gradients(center_norm), gradients(formula), 1e-10)
+
+
+def fused_calls(monkeypatch) -> list:
+    """Records each call of LayerNorm's backward kernel."""
+    calls, real = [], torch.ops.aten.native_layer_norm_backward
+    monkeypatch.setattr(torch.ops.aten, "native_layer_norm_backward",
+                        lambda *args: calls.append(args[1].dtype) or real(*args))
+    return calls
+
+
+def test_half_precision_takes_the_product_and_sums_not_layernorms_kernel(monkeypatch):
+    """bf16 and fp16 never reach LayerNorm's kernel (CUDA's reads their mean and rstd as float32, the CPU's in their
+    own dtype: no one call serves both); float32 does. An all-bf16 CenterNorm (``bf16-true``) and a bf16 input with
+    float32 parameters (Swin's and CSwin's patch-embedding norms under autocast) equal the formula to bf16's rounding,
+    checked against float64."""
+    calls = fused_calls(monkeypatch)
+    x, weight, bias, upstream = inputs(torch.float32, shape=(4, 9, 64))
+    outputs_and_gradients(center_norm, x, weight, bias, upstream)
+    assert calls == [torch.float32]
+    calls.clear()
+    rounded = x.bfloat16()
+    for parameters in ((weight.bfloat16(), bias.bfloat16()), (weight, bias)):
+        got = outputs_and_gradients(center_norm, rounded, *parameters, upstream)
+        want = outputs_and_gradients(formula, rounded.double(), *(p.double() for p in parameters), upstream.double())
+        assert got[1].dtype == torch.bfloat16  # the input's gradient in the input's dtype
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2 * float(b.detach().abs().max()))
+    assert calls == []
+
+
+def test_it_runs_on_meta_tensors():
+    """Forward and backward on ``meta`` (the tensors that count a step without computing it), which has no autocast."""
+    norm = CenterNorm(16).to("meta")
+    x = torch.empty(2, 5, 16, device="meta", requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad.shape == x.shape and norm.weight.grad.shape == (16,)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -176,3 +227,20 @@ def test_on_a_gpu_the_written_out_backward_equals_the_formula(dtype):
     assert_all_close(got, want, TOLERANCE[dtype])
     with torch.autocast("cuda", torch.bfloat16):
         assert_all_close(outputs_and_gradients(center_norm, *args), want, TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_half_precision_inputs_train():
+    """CUDA, bf16 and fp16 throughout (``bf16-true``, ``16-true``) and a bf16 input with float32 parameters under
+    autocast: the gradients run (LayerNorm's kernel, which reads half-precision statistics as float32, is not taken)
+    and equal the float64 formula to half precision's rounding."""
+    x, weight, bias, upstream = (t.cuda() for t in inputs(torch.float32, shape=(64, 197, 384)))
+    for half in (torch.bfloat16, torch.float16):
+        rounded = x.to(half)
+        for parameters in ((weight.to(half), bias.to(half)), (weight, bias)):
+            with torch.autocast("cuda", torch.bfloat16, enabled=parameters[0].dtype == torch.float32):
+                got = outputs_and_gradients(center_norm, rounded, *parameters, upstream)
+            want = outputs_and_gradients(formula, rounded.double(), *(p.double() for p in parameters),
+                                         upstream.double())
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2 * float(b.detach().abs().max()))

@@ -9,10 +9,10 @@ unequal γ the exact constant is ‖diag(γ)(I − 11ᵀ/D)‖₂·D/(D−1), wh
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
+
+from .precision import autocast_off
 
 
 class CenterNorm(nn.Module):
@@ -73,7 +73,7 @@ class _CenterNorm(torch.autograd.Function):
         weight, centred = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if grad is not None:
-            with _autocast_off(grad):  # the row sums in the gradient's dtype, as autograd's own would be
+            with autocast_off(grad.device.type):  # row sums in the gradient's dtype: CUDA's autocast runs mv in bf16
                 if ctx.needs_input_grad[0]:
                     row_means = (grad @ weight.to(grad.dtype)).unsqueeze(-1) / -grad.shape[-1]
                     grad_x = torch.addcmul(row_means, grad, weight)
@@ -85,14 +85,19 @@ class _CenterNorm(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+FUSED_DTYPES = (torch.float32, torch.float64)  # where LayerNorm's kernel takes its statistics in the input's dtype
+
+
 def _parameter_gradients(grad: torch.Tensor, centred: torch.Tensor, weight: torch.Tensor,
                          needed: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(Σ_rows g ⊙ (x − mean(x)), Σ_rows g). Where no graph of the backward is kept and the dtypes agree, by the
-    kernel that gives LayerNorm's γ and β their gradients (``native_layer_norm_backward``: Σ g ⊙ x̂ and Σ g, reading
-    g and x once), with x̂ = (x − mean)·rstd made the centred input by a mean of 0 and an rstd of 1; else by a product
-    and two sums, whose own gradients autograd knows (LayerNorm's double backward would differentiate the rstd)."""
+    """(Σ_rows g ⊙ (x − mean(x)), Σ_rows g). Where no graph of the backward is kept and g, x and w share a dtype of
+    float32 or float64, by the kernel that gives LayerNorm's γ and β their gradients (``native_layer_norm_backward``:
+    Σ g ⊙ x̂ and Σ g, reading g and x once), with x̂ = (x − mean)·rstd made the centred input by a mean of 0 and an
+    rstd of 1; else by a product and two sums, whose own gradients autograd knows (LayerNorm's double backward would
+    differentiate the rstd). Not for bf16 or fp16: CUDA's kernel reads their mean and rstd as float32, the CPU's in the
+    input's dtype."""
     width = grad.shape[-1]
-    if torch.is_grad_enabled() or not grad.dtype == centred.dtype == weight.dtype:
+    if torch.is_grad_enabled() or not grad.dtype == centred.dtype == weight.dtype in FUSED_DTYPES:
         rows = grad.reshape(-1, width)
         return ((rows * centred.reshape(-1, width)).sum(0) if needed[0] else None,
                 rows.sum(0) if needed[1] else None)
@@ -102,9 +107,3 @@ def _parameter_gradients(grad: torch.Tensor, centred: torch.Tensor, weight: torc
         [False, needed[0], needed[1]])
     return grad_weight, grad_bias
 
-
-def _autocast_off(tensor: torch.Tensor):
-    """Autocast switched off on ``tensor``'s device where a backward runs under it (a backward called inside an
-    autocast region): CUDA's autocast would run the matrix-vector product in bf16."""
-    device = tensor.device.type
-    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
