@@ -55,6 +55,7 @@ from common import (
 )
 
 from stability.models.registry import PRESETS
+from stability.nn import center_norm
 from stability.nn.precision import allow_tf32_training
 from stability.testing.gpu_model import (
     FORMS,
@@ -361,7 +362,7 @@ def counted(case: Case, backbone: str, size: str, tokens: int, batch: int, preci
     for depth in COUNT_DEPTHS:
         for images_per_step in COUNT_BATCHES:
             module, images, labels = step_inputs(case, backbone, size, image_size, options, images_per_step, depth)
-            with cuda_path(module):
+            with cuda_path(module), center_norm.sized_as(batch / images_per_step):  # the batch-`batch` step's path
                 optimizer = module.build_optimizer()  # fused Adam(W), as on CUDA
                 train_step(module, optimizer, images, labels, precision, 1)  # the optimizer's state exists after it
                 counts[depth, images_per_step] = count(partial(train_step, module, optimizer, images, labels,
@@ -376,18 +377,21 @@ HOST_ROUNDS, HOST_STEPS = 7, 5  # the fastest round is the host's time
 
 
 def host_time(case: Case, backbone: str, size: str, precision: str, rounds: int = HOST_ROUNDS,
-              steps: int = HOST_STEPS) -> tuple[float, float]:
+              steps: int = HOST_STEPS, stands_for: tuple[int, int] | None = None) -> tuple[float, float]:
     """Seconds per step and launches of the case's step at the preset's depth but a tiny width (``HOST_WIDTH`` per
     head, ``HOST_TOKENS`` tokens, batch ``HOST_BATCH``), on the GPU's code path on the CPU: its kernels do next to
     nothing, so the time is what the step costs the host (Python, the dispatcher, each operator's call). The model's
     host term is launches × a time per launch; a row whose time per launch here stands out from the baseline's has
     host work the counts do not carry (hooks, parametrizations, Python loops). The fastest of ``rounds`` rounds of
-    ``steps`` steps after three warm-up steps (as ``timeit`` reports: other work on the machine only adds time)."""
+    ``steps`` steps after three warm-up steps (as ``timeit`` reports: other work on the machine only adds time).
+    ``stands_for`` (tokens, batch): the full-width step whose size decisions (CenterNorm's backward) it takes."""
     image_size, options = geometry(backbone, size, HOST_TOKENS)
     options["embed_dim"] = HOST_WIDTH * PRESETS[backbone][size]["num_heads"]
     module, images, labels = step_inputs(case, backbone, size, image_size, options, HOST_BATCH)
     index = (i for i in itertools.count(1) if i % CHECK_EVERY)  # never a check step
-    with cuda_path(module):
+    scale = 1.0 if stands_for is None else (stands_for[0] * stands_for[1] * PRESETS[backbone][size]["embed_dim"]
+                                            / (HOST_TOKENS * HOST_BATCH * options["embed_dim"]))
+    with cuda_path(module), center_norm.sized_as(scale):
         optimizer = module.build_optimizer()
         for _ in range(3):
             train_step(module, optimizer, images, labels, precision, next(index))
@@ -572,7 +576,7 @@ def count_main(args, precision: str) -> None:
     if args.host:  # timed, not counted: never kept in <out>.json
         header += ["host ms (tiny width)", "launches (tiny width)", "host µs per launch"]
         for case, row_cells in zip(cases, rows):
-            seconds, launches = host_time(case, backbone, size, precision)
+            seconds, launches = host_time(case, backbone, size, precision, stands_for=(tokens, args.batch))
             row_cells += [1000 * seconds, int(launches), 1e6 * seconds / launches]
             print(f"{case.label}: host {1000 * seconds:.2f} ms a step at width {HOST_WIDTH} a head, "
                   f"{launches:.0f} launches", flush=True)

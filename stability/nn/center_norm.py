@@ -9,6 +9,9 @@ unequal γ the exact constant is ‖diag(γ)(I − 11ᵀ/D)‖₂·D/(D−1), wh
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -27,14 +30,47 @@ class CenterNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """β + (x − mean(x)) ⊙ w with w = γ·D/(D−1) (the scale rides on γ, a (D,) vector), by :func:`center_norm`."""
+        """β + (x − mean(x)) ⊙ w with w = γ·D/(D−1) (the scale rides on γ, a (D,) vector): by :func:`center_norm`'s
+        written-out backward where :func:`written_out` says it pays, else autograd through the formula."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"CenterNorm({self.dim}) got inputs of width {x.shape[-1]} (shape {tuple(x.shape)})")
-        return center_norm(x, self.weight * (self.dim / (self.dim - 1)), self.bias)
+        weight = self.weight * (self.dim / (self.dim - 1))
+        if written_out(x):
+            return center_norm(x, weight, self.bias)
+        return torch.addcmul(self.bias, x - x.mean(dim=-1, keepdim=True), weight)
 
     def lipschitz(self) -> float:
         """D/(D−1)·max|γ|: an upper bound, exact when |γ| is uniform."""
         return self.dim / (self.dim - 1) * float(self.weight.detach().abs().max())
+
+
+# From this many bytes of input a CenterNorm takes the written-out backward. It saves some 12 passes over x on the
+# device and costs the host 100-200 µs more a norm (its operators called from Python, where autograd's run in C++):
+# 12 passes over 16 MiB at the H200's fitted 1.6 TB/s take about 125 µs. A large model on a GPU waits on its device and
+# gains; a small one waits on its host (results/benchmarks/README.md, "CenterNorm's backward written out").
+WRITTEN_OUT_FROM_BYTES = 2**24
+_size_scale = 1.0  # sizes are judged as this many times larger (:func:`sized_as`)
+
+
+def written_out(x: torch.Tensor) -> bool:
+    """Whether a CenterNorm on ``x`` takes the written-out backward: where x has at least ``WRITTEN_OUT_FROM_BYTES``
+    bytes, and not inside a compiled graph (Inductor fuses the formula's operators; one path at every batch size keeps
+    one compile)."""
+    if torch.compiler.is_compiling():
+        return False
+    return x.numel() * x.element_size() * _size_scale >= WRITTEN_OUT_FROM_BYTES
+
+
+@contextlib.contextmanager
+def sized_as(scale: float) -> Iterator[None]:
+    """Inside the block each CenterNorm decides as on an input ``scale`` times larger: a step counted or timed at a
+    small batch or width takes the path of the step it stands for."""
+    global _size_scale
+    saved, _size_scale = _size_scale, scale
+    try:
+        yield
+    finally:
+        _size_scale = saved
 
 
 def center_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -73,9 +109,10 @@ class _CenterNorm(torch.autograd.Function):
         weight, centred = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if grad is not None:
-            with autocast_off(grad.device.type):  # row sums in the gradient's dtype: CUDA's autocast runs mv in bf16
+            device = grad.device.type  # row sums in the gradient's dtype: CUDA's autocast would run mv in bf16
+            with autocast_off(device) if device != "meta" and torch.is_autocast_enabled(device) else _NO_CONTEXT:
                 if ctx.needs_input_grad[0]:
-                    row_means = (grad @ weight.to(grad.dtype)).unsqueeze(-1) / -grad.shape[-1]
+                    row_means = (grad @ weight.to(grad.dtype)).unsqueeze(-1).div_(-grad.shape[-1])
                     grad_x = torch.addcmul(row_means, grad, weight)
                 if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
                     grad_weight, grad_bias = _parameter_gradients(grad, centred, weight, ctx.needs_input_grad[1:])
@@ -83,6 +120,9 @@ class _CenterNorm(torch.autograd.Function):
             centred_part = grad_centred - grad_centred.mean(dim=-1, keepdim=True)
             grad_x = centred_part if grad_x is None else grad_x + centred_part
         return grad_x, grad_weight, grad_bias
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 FUSED_DTYPES = (torch.float32, torch.float64)  # where LayerNorm's kernel takes its statistics in the input's dtype
@@ -102,7 +142,7 @@ def _parameter_gradients(grad: torch.Tensor, centred: torch.Tensor, weight: torc
         return ((rows * centred.reshape(-1, width)).sum(0) if needed[0] else None,
                 rows.sum(0) if needed[1] else None)
     shape = centred.shape[:-1] + (1,)
-    _, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
+    _, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward.default(
         grad, centred, [width], centred.new_zeros(shape), centred.new_ones(shape), weight, weight,
         [False, needed[0], needed[1]])
     return grad_weight, grad_bias
