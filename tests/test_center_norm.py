@@ -199,7 +199,11 @@ def test_lipsformer_trains_with_the_gradients_of_the_formula(backbone, size, dty
     assert any(isinstance(m, CenterNorm) for m in
                ImageClassifier(backbone=backbone, image_size=size, stabilizer="lipsformer").modules())
     monkeypatch.setattr(center_norm_module, "WRITTEN_OUT_FROM_BYTES", 0)  # every norm takes it, however small
+    calls = []
+    monkeypatch.setattr(_CenterNorm, "apply", classmethod(lambda cls, *args: calls.append(1) or
+                                                          torch.autograd.Function.apply.__func__(cls, *args)))
     fast = loss_and_gradients()
+    assert calls  # the written-out backward ran
     monkeypatch.setattr(center_norm_module, "center_norm", formula)
     assert_all_close(fast, loss_and_gradients(), TOLERANCE[dtype])
 
@@ -216,7 +220,15 @@ def test_a_norm_takes_the_written_out_backward_from_16_mib_and_never_compiled(mo
     assert (path(small), path(large)) == ("AddcmulBackward0", "_CenterNormBackward")
     with center_norm_module.sized_as(256 / 3):
         assert path(small) == "_CenterNormBackward"
+        with center_norm_module.sized_as(1.0):  # a nested scale replaces the outer one
+            assert path(small) == "AddcmulBackward0"
+        assert path(small) == "_CenterNormBackward"
     assert path(small) == "AddcmulBackward0"
+    with pytest.raises(RuntimeError), center_norm_module.sized_as(1e9):
+        raise RuntimeError("a failure inside the block")
+    assert path(small) == "AddcmulBackward0"  # set back all the same
+    with pytest.raises(ValueError, match="positive scale"), center_norm_module.sized_as(0.0):
+        pass
     assert path(large[:-1]) == "AddcmulBackward0"  # one row under
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert path(large) == "AddcmulBackward0"

@@ -45,7 +45,8 @@ class CenterNorm(nn.Module):
 
 
 # From this many bytes of input a CenterNorm takes the written-out backward. It saves some 12 passes over x on the
-# device and costs the host 100-200 µs more a norm (its operators called from Python, where autograd's run in C++):
+# device and costs the host about 100 µs more a norm (210 against 106 µs measured on a small input: its operators
+# called from Python, where autograd's run in C++):
 # 12 passes over 16 MiB at the H200's fitted 1.6 TB/s take about 125 µs. A large model on a GPU waits on its device and
 # gains; a small one waits on its host (results/benchmarks/README.md, "CenterNorm's backward written out").
 WRITTEN_OUT_FROM_BYTES = 2**24
@@ -64,7 +65,10 @@ def written_out(x: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def sized_as(scale: float) -> Iterator[None]:
     """Inside the block each CenterNorm decides as on an input ``scale`` times larger: a step counted or timed at a
-    small batch or width takes the path of the step it stands for."""
+    small batch or width takes the path of the step it stands for. A nested block replaces the scale (it does not
+    multiply it); process-wide, read by the forward only."""
+    if not scale > 0:
+        raise ValueError(f"sized_as needs a positive scale, got {scale}")
     global _size_scale
     saved, _size_scale = _size_scale, scale
     try:
