@@ -385,8 +385,8 @@ def host_time(case: Case, backbone: str, size: str, precision: str, rounds: int 
     host work the counts do not carry (hooks, parametrizations, Python loops). The fastest of ``rounds`` rounds of
     ``steps`` steps after three warm-up steps (as ``timeit`` reports: other work on the machine only adds time).
     ``stands_for`` (tokens, batch): the full-width step whose size decisions (CenterNorm's backward) it takes, its
-    norms judged (tokens·batch·width)/(tokens·batch·width) times larger than the tiny step's (patch tokens: a class
-    token makes the ratio 6% high at 16 tokens, which moves no decision at ViT-S's 101 MB a norm)."""
+    norms judged (its tokens·batch·width)/(HOST_TOKENS·HOST_BATCH·tiny width) times larger than the tiny step's
+    (patch tokens: a class token makes the ratio 6% high at 16 tokens, which moves no decision at ViT-S's 101 MB)."""
     image_size, options = geometry(backbone, size, HOST_TOKENS)
     options["embed_dim"] = HOST_WIDTH * PRESETS[backbone][size]["num_heads"]
     module, images, labels = step_inputs(case, backbone, size, image_size, options, HOST_BATCH)

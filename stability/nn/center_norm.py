@@ -37,7 +37,7 @@ class CenterNorm(nn.Module):
         weight = self.weight * (self.dim / (self.dim - 1))
         if written_out(x):
             return center_norm(x, weight, self.bias)
-        return torch.addcmul(self.bias, x - x.mean(dim=-1, keepdim=True), weight)
+        return _centred_and_scaled(x, weight, self.bias)[0]
 
     def lipschitz(self) -> float:
         """D/(D−1)·max|γ|: an upper bound, exact when |γ| is uniform."""
@@ -77,6 +77,13 @@ def sized_as(scale: float) -> Iterator[None]:
         _size_scale = saved
 
 
+def _centred_and_scaled(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(β + (x − mean(x)) ⊙ w, x − mean(x)): the formula both paths compute forward."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return torch.addcmul(bias, centred, weight), centred
+
+
 def center_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """β + (x − mean(x)) ⊙ w over the last dimension, with the backward written out (:class:`_CenterNorm`): for the
     upstream gradient g,
@@ -100,8 +107,7 @@ class _CenterNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        centred = x - x.mean(dim=-1, keepdim=True)
-        return torch.addcmul(bias, centred, weight), centred
+        return _centred_and_scaled(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
