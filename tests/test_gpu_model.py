@@ -28,6 +28,7 @@ def test_a_matrix_product_is_counted_by_its_precision_and_a_view_launches_nothin
 
     def step():
         (a @ b).t().unsqueeze(0)  # mm, then two views
+        a.clone().t_().unsqueeze_(0).squeeze_(0)  # a copy, then three in-place views (metadata: no kernel on CUDA)
         torch.relu(a)  # 8·16 floats in and out
         torch.promote_types(a.dtype, torch.float32), torch.can_cast(a.dtype, torch.int32)  # dtype arithmetic: host
 
@@ -38,9 +39,9 @@ def test_a_matrix_product_is_counted_by_its_precision_and_a_view_launches_nothin
             exact = count(step)
     finally:
         torch.set_float32_matmul_precision("highest")
-    assert training.launches == 2 and training.ops == {"mm": 1, "relu": 1}
+    assert training.launches == 3 and training.ops == {"mm": 1, "relu": 1, "clone": 1}
     assert training.flops["tf32"] == 2 * 8 * 16 * 4 and exact.flops["fp32"] == 2 * 8 * 16 * 4
-    assert training.bytes == 2 * 8 * 16 * 4
+    assert training.bytes == 2 * (2 * 8 * 16 * 4)  # relu's and clone's 8·16 floats in and out
     with torch.autocast("cpu", torch.bfloat16):
         half = count(lambda: a @ b)
     assert half.flops["bf16"] == 2 * 8 * 16 * 4 and half.ops["_to_copy"] == 2  # autocast's casts are launches

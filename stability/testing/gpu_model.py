@@ -49,7 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 PRECISIONS = ("bf16", "tf32", "fp32")
-# operators that launch no kernel: allocations, metadata, the wrapping of Python scalars, and dtype arithmetic
+# operators that launch no kernel: allocations, metadata, the wrapping of Python scalars, and dtype arithmetic (and
+# every operator torch tags ``inplace_view``, which changes a tensor's shape or strides in place: unsqueeze_, t_, …)
 NO_KERNEL = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
              "scalar_tensor", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
              "_has_compatible_shallow_copy_type", "resize_", "record_stream", "_local_scalar_dense", "promote_types",
@@ -237,7 +238,7 @@ class KernelCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if name in SYNCS:
             self.counts.syncs += 1
-        if func.is_view or name in NO_KERNEL:
+        if func.is_view or name in NO_KERNEL or torch.Tag.inplace_view in func.tags:  # the last: unsqueeze_ and kin
             return out
         counts = self.counts
         counts.launches += 1
