@@ -92,6 +92,51 @@ def test_scsa_jacobian_is_below_theorem_1(seed):
         assert torch.isfinite(torch.tensor(exact)) and exact <= bound
 
 
+def test_a_compiled_graph_spells_the_cosine_normalisation_out_where_eager_takes_the_fused_norm(monkeypatch):
+    """Where the device has the fused RMSNorm, eager attention normalises q, k and v through it (three calls), while
+    inside torch.compile the formula is spelled out (Inductor makes fewer kernels of it: ViT-S's compiled LipsFormer
+    network 634 launches against 694), with the same values and gradients (float32, 1e-5); a dispatch that ignores
+    compiling (planted) puts RMSNorm into the graph, which the graph's nodes show."""
+    from stability.nn import cosine_attention
+
+    monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: True)
+    kernel, drop = ScaledCosineKernel(2, tau=5.0), nn.Dropout(0.0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=gen) for _ in range(3))
+
+    def attend(q, k, v):
+        return kernel(q, k, v, None, drop, True)
+
+    def graph_and_gradients(run):
+        nodes = []
+
+        def recording(gm, example_inputs):
+            nodes.extend(str(node.target) for node in gm.graph.nodes)
+            return gm.forward
+
+        torch._dynamo.reset()
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = torch.compile(run, backend=recording, fullgraph=True)(*inputs)
+        grads = torch.autograd.grad(out, [*inputs, kernel.tau, kernel.nu], torch.ones_like(out))
+        return nodes, [out, *grads]
+
+    calls = []
+    monkeypatch.setattr(F, "rms_norm", lambda *args, _rms_norm=F.rms_norm, **kwargs: calls.append(1)
+                        or _rms_norm(*args, **kwargs))
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    eager_out = attend(*inputs)
+    eager = [eager_out, *torch.autograd.grad(eager_out, [*inputs, kernel.tau, kernel.nu], torch.ones_like(eager_out))]
+    assert len(calls) == 3  # q, k and v, eagerly through the fused norm
+    nodes, compiled = graph_and_gradients(attend)
+    assert nodes and not any("rms_norm" in node for node in nodes), nodes
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.detach().abs().max()))
+    monkeypatch.setattr(cosine_attention, "takes_fused_norm", lambda x: cosine_attention.fused_norm_on(x.device))
+    planted, _ = graph_and_gradients(attend)
+    assert any("rms_norm" in node for node in planted)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tolerance, fused, monkeypatch):

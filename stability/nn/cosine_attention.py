@@ -27,6 +27,15 @@ def fused_norm_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def takes_fused_norm(x: torch.Tensor) -> bool:
+    """Whether the normalisation of ``x`` runs as the fused RMSNorm: where the device has the kernel
+    (:func:`fused_norm_on`), and never inside a compiled graph, where Inductor fuses the spelled-out formula into
+    fewer kernels than it makes of RMSNorm with a scale as its weight and the contiguous copy its input needs (ViT-S's
+    compiled LipsFormer network: 634 against 694 launches in the Triton program written for an H200,
+    ``benchmarks/compiled_kernels.py``)."""
+    return fused_norm_on(x.device) and not torch.compiler.is_compiling()
+
+
 class ScaledCosineKernel(nn.Module):
     """softmax(τ Q̂K̂ᵀ + B)·V̂·ν/K on per-head tensors (B', h, N, d); τ and ν learnable or fixed."""
 
@@ -61,10 +70,10 @@ class ScaledCosineKernel(nn.Module):
 
     def normalize(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """scale · x/√(‖x‖² + ε), in x's dtype: :meth:`unit` with ``scale``/√d where a fused RMSNorm kernel runs it
-        (:func:`fused_norm_on`); elsewhere spelled out, ‖x‖² summed in at least float32 and at least x's dtype from
+        (:func:`takes_fused_norm`); elsewhere spelled out, ‖x‖² summed in at least float32 and at least x's dtype from
         x·x (autocast would square x in float32 and keep that copy for the backward), the scale on the (…, 1)
         factor, not on x."""
-        if fused_norm_on(x.device):
+        if takes_fused_norm(x):
             factor = 1.0 / math.sqrt(x.shape[-1])
             return self.unit(x, x.new_full((), factor) if scale is None else scale * factor)
         factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=accumulation_dtype(x.dtype)) + self.eps)
@@ -75,7 +84,7 @@ class ScaledCosineKernel(nn.Module):
     def scaled_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries and keys whose product is τ·q̂k̂ᵀ: with a fused RMSNorm (τ/d · unit(q), unit(k)), both 1/√d
         factors and τ riding on the queries' norm; else (τ·q̂, k̂)."""
-        if fused_norm_on(q.device):
+        if takes_fused_norm(q):
             return self.unit(q, self.tau / q.shape[-1]), self.unit(k)
         return self.normalize(q, self.tau), self.normalize(k)
 
