@@ -43,6 +43,7 @@ from torch._inductor.graph import GraphLowering
 from stability.lipschitz import training_bound
 from stability.models import capture_queries_keys
 from stability.models.registry import PRESETS
+from stability.nn import center_norm
 from stability.nn.precision import float32_math
 from stability.nn.spectral import SubspaceIteration
 from stability.stabilizers.base import ForwardStep
@@ -137,10 +138,13 @@ def generated_modules() -> Iterator[tuple[list[str], list[str]]]:
         yield sources, triton
 
 
-def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[str, float | None]:
+def counts_at(case, size: str, tokens: int, depth: int, precision: str,
+              scale: float = 1.0) -> dict[str, float | None]:
     """One training step of ``case`` at ``depth`` blocks, on the GPU's code path: the eager step's launches and the
     eager network's (forward and backward), and the launches of the compiled network's forward and backward (None
-    where the stabilizer refuses to train compiled)."""
+    where the stabilizer refuses to train compiled). ``scale``: how many times larger the step it stands for is
+    (tokens × batch), whose size decisions it takes (CenterNorm's written-out backward: ``center_norm.sized_as``;
+    a compiled graph takes the formula at every size)."""
     image_size, options = geometry("vit", size, tokens)
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(BATCH, 3, image_size, image_size, generator=generator)
@@ -156,7 +160,7 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str) -> dict[
             raise
         if case.at_cap:
             put_weights_at_the_cap(module)
-        with cuda_path(module):
+        with cuda_path(module), center_norm.sized_as(scale):
             if compile:
                 result["compiled"] = generated_launches(
                     lambda m=module: network_pass(m, images, precision, compiled=True))
@@ -375,7 +379,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16, help="tokens of the counted steps (counts barely depend on it)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--cases", default=None, help="';'-separated row labels of step_cost.py (default: its ViT rows)")
+    p.add_argument("--stands_for", default="256,256",
+                   help="tokens,batch of the step the counts stand for (step_cost.py --device cuda's), whose size "
+                        "decisions the eager counts take (CenterNorm's backward)")
     args = p.parse_args()
+    try:
+        stands_tokens, stands_batch = (int(n) for n in args.stands_for.split(","))
+        if min(stands_tokens, stands_batch) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--stands_for takes two positive integers, tokens,batch (e.g. 256,256); got {args.stands_for!r}")
+    scale = stands_tokens * stands_batch / (args.tokens * BATCH)
     device = setup(args)
     if args.quick:
         args.size, args.cases = "micro", args.cases or "none;qk_norm"
@@ -383,7 +397,7 @@ def main() -> None:
     depth = PRESETS["vit"][args.size]["depth"]
     rows, compiled_steps = [], {}
     for case in selected([c for c in CASES if not c.label.endswith("exact") and "exact," not in c.label], only):
-        at = counts_at(case, args.size, args.tokens, depth, args.precision)
+        at = counts_at(case, args.size, args.tokens, depth, args.precision, scale)
         print(f"{case.label}: {at}", flush=True)
 
         eager = at["step"]
@@ -402,7 +416,9 @@ def main() -> None:
         rows.append([case.label, f"{eager:.0f}", f"{network:.0f}", cell(region), cell(outside), cell(compiled),
                      ratio])
     body = (f"ViT-{args.size} ({depth} blocks), {args.precision}, counted at its depth on {args.tokens} tokens "
-            "(module docstring). `eager step`: the eager step's launches on the GPU's code path; "
+            f"(module docstring), taking the size decisions of the step at {stands_tokens} tokens and batch "
+            f"{stands_batch} it stands for (CenterNorm's backward). `eager step`: the eager step's launches on the "
+            "GPU's code path; "
             "`network, eager` and `network, compiled`: its forward and backward, eager and as the launches of "
             "Inductor's generated code (kernels and library calls), with the terms that compile whole (Specformer's "
             "penalty, JaSMin's statistics); `eager outside`: the step's other launches (the other stabilizers' "

@@ -160,6 +160,26 @@ def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
     assert float(rows["specformer"][4].split()[0]) <= float(rows["none"][4].split()[0])
 
 
+def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(benchmark_modules, monkeypatch):
+    """``compiled_kernels.py``'s eager columns take the size decisions of the GPU step they stand for (``--stands_for``,
+    256 tokens at batch 256 by default): LipsFormer's CenterNorms, counted at 16 tokens and batch 4, take their
+    written-out backward (four launches fewer a norm) where the step they stand for is large enough, as
+    ``step_cost.py --count`` does; at scale 1 they keep the formula. (The compiled graphs, not generated here, take the
+    formula at every size: ``test_center_norm``.)"""
+    import compiled_kernels
+    import numpy as np
+    import step_cost
+
+    from stability.models.registry import PRESETS
+
+    monkeypatch.setattr(compiled_kernels, "generated_launches", lambda run, fresh=True: np.zeros(3))
+    case = next(c for c in step_cost.CASES if c.label == "lipsformer")
+    depth = PRESETS["vit"]["micro"]["depth"]
+    small, large = (compiled_kernels.counts_at(case, "micro", 16, depth, "bf16", scale) for scale in (1.0, 1e9))
+    norms = 2 * depth + 1  # two a block and the final one
+    assert small["step"] - large["step"] == small["network"] - large["network"] == 4 * norms
+
+
 def test_compiled_kernels_reads_the_launches_of_generated_code(benchmark_modules):
     """The module's own kernels (by the names it defines, a template's and a tuple target's included; a C++ kernel as
     its loop nests, each a GPU kernel of its own), library calls and ATen fallbacks count; allocations, views,
