@@ -21,7 +21,9 @@ compiled step launches
 counted, as ``step_cost.py --count`` counts, on the GPU's code path (stability/testing/gpu_model.py), at the preset's
 depth: the generated code is not affine in depth (a stack of more than 8 weights of a shape, σReparam's, compiles to
 a kernel a weight where 2 or 3 fuse into their consumers), so nothing is extrapolated. The kernels do not depend on
-the batch. Where a GPU is host-bound, as small models are,
+the batch; the eager counts take the size decisions of the step they stand for (``--stands_for``, step_cost.py's
+ViT-S step at 256 tokens and batch 256: CenterNorm's written-out backward, :func:`stands_for_scale`). Where a GPU is
+host-bound, as small models are,
 launches set the time: the ratio to the compiled baseline is then the compiled column's ratio. Where the GPU is busy
 it is not: bytes and FLOPs change little by compiling.
 """
@@ -136,6 +138,18 @@ def generated_modules() -> Iterator[tuple[list[str], list[str]]]:
     with inductor_config.patch({"fx_graph_cache": False, "autotune_local_cache": False, "cpp.threads": 1}), \
             triton_code() as triton, mock.patch.object(GraphLowering, "compile_to_module", recording):
         yield sources, triton
+
+
+def stands_for_scale(stands_for: str, tokens: int) -> tuple[int, int, float]:
+    """``"tokens,batch"`` of the step the counts stand for → (tokens, batch, how many times larger that step is than
+    the counted one of ``tokens`` tokens at batch ``BATCH``)."""
+    try:
+        stands_tokens, stands_batch = (int(n) for n in stands_for.split(","))
+    except ValueError:
+        stands_tokens = stands_batch = 0
+    if min(stands_tokens, stands_batch) < 1:
+        raise ValueError(f"--stands_for takes two positive integers, tokens,batch (e.g. 256,256); got {stands_for!r}")
+    return stands_tokens, stands_batch, stands_tokens * stands_batch / (tokens * BATCH)
 
 
 def counts_at(case, size: str, tokens: int, depth: int, precision: str,
@@ -384,12 +398,9 @@ def main() -> None:
                         "decisions the eager counts take (CenterNorm's backward)")
     args = p.parse_args()
     try:
-        stands_tokens, stands_batch = (int(n) for n in args.stands_for.split(","))
-        if min(stands_tokens, stands_batch) < 1:
-            raise ValueError
-    except ValueError:
-        p.error(f"--stands_for takes two positive integers, tokens,batch (e.g. 256,256); got {args.stands_for!r}")
-    scale = stands_tokens * stands_batch / (args.tokens * BATCH)
+        stands_tokens, stands_batch, scale = stands_for_scale(args.stands_for, args.tokens)
+    except ValueError as error:
+        p.error(str(error))
     device = setup(args)
     if args.quick:
         args.size, args.cases = "micro", args.cases or "none;qk_norm"

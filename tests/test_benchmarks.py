@@ -171,6 +171,7 @@ def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(
     import step_cost
 
     from stability.models.registry import PRESETS
+    from stability.nn import center_norm
 
     monkeypatch.setattr(compiled_kernels, "generated_launches", lambda run, fresh=True: np.zeros(3))
     case = next(c for c in step_cost.CASES if c.label == "lipsformer")
@@ -178,6 +179,13 @@ def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(
     small, large = (compiled_kernels.counts_at(case, "micro", 16, depth, "bf16", scale) for scale in (1.0, 1e9))
     norms = 2 * depth + 1  # two a block and the final one
     assert small["step"] - large["step"] == small["network"] - large["network"] == 4 * norms
+    # the default: ViT-S's step at 256 tokens and batch 256, 1024 times the counted one (16 tokens, batch 4), whose
+    # norms (17 tokens × 384 wide, float32) it takes past the written-out backward's threshold
+    assert compiled_kernels.stands_for_scale("256,256", 16) == (256, 256, 256 * 256 / (16 * compiled_kernels.BATCH))
+    assert compiled_kernels.BATCH * 17 * 384 * 4 * 1024 >= center_norm.WRITTEN_OUT_FROM_BYTES > 4 * 17 * 384 * 4
+    for bad in ("256", "256,0", "a,b"):
+        with pytest.raises(ValueError, match="two positive integers"):
+            compiled_kernels.stands_for_scale(bad, 16)
 
 
 def test_compiled_kernels_reads_the_launches_of_generated_code(benchmark_modules):

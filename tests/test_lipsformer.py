@@ -92,7 +92,16 @@ def test_scsa_jacobian_is_below_theorem_1(seed):
         assert torch.isfinite(torch.tensor(exact)) and exact <= bound
 
 
-def test_a_compiled_graph_spells_the_cosine_normalisation_out_where_eager_takes_the_fused_norm(monkeypatch):
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches reset before and after the test, whether it passes or not."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_compiled_graph_spells_the_cosine_normalisation_out_where_eager_takes_the_fused_norm(monkeypatch,
+                                                                                               fresh_dynamo):
     """Where the device has the fused RMSNorm, eager attention normalises q, k and v through it (three calls), while
     inside torch.compile the formula is spelled out (Inductor makes fewer kernels of it: ViT-S's compiled LipsFormer
     network 634 launches against 694), with the same values and gradients (float32, 1e-5); a dispatch that ignores
@@ -134,7 +143,6 @@ def test_a_compiled_graph_spells_the_cosine_normalisation_out_where_eager_takes_
     monkeypatch.setattr(cosine_attention, "takes_fused_norm", lambda x: cosine_attention.fused_norm_on(x.device))
     planted, _ = graph_and_gradients(attend)
     assert any("rms_norm" in node for node in planted)
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("fused", [True, False])

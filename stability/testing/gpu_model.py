@@ -50,7 +50,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 PRECISIONS = ("bf16", "tf32", "fp32")
 # operators that launch no kernel: allocations, metadata, the wrapping of Python scalars, and dtype arithmetic (and
-# every operator torch tags ``inplace_view``, which changes a tensor's shape or strides in place: unsqueeze_, t_, …)
+# every operator torch tags ``inplace_view``, which changes a tensor's shape or strides in place: unsqueeze_, t_, …;
+# resize_ and resize_as_ growing a tensor with storage copy its old bytes on CUDA's copy engine, not in a kernel)
 NO_KERNEL = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
              "scalar_tensor", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
              "_has_compatible_shallow_copy_type", "resize_", "record_stream", "_local_scalar_dense", "promote_types",
@@ -305,8 +306,9 @@ def cuda_path(module) -> Iterator[None]:
     in place of the CPU's (:func:`.cuda_autocast.cuda_autocast`: LayerNorm on bf16 inputs in float32, sums and
     softmaxes accumulated in float32, ...), and RMSNorm as CUDA's fused kernel, one operator each way
     (:func:`.fused_rms_norm.counted_as_on_cuda`, where the CPU runs a composite), which LipsFormer's cosine
-    attention takes on CUDA (``cosine_attention.fused_norm_on``), and the hard cap's float32 products as three TF32
-    products each (``constraints.split_products_on``: counted as TF32 FLOPs)."""
+    attention takes eagerly on CUDA (``cosine_attention.fused_norm_on``; a compiled graph spells it out), and the
+    hard cap's float32 products as three TF32 products each (``constraints.split_products_on``: counted as TF32
+    FLOPs)."""
     from .. import optim
     from ..nn import constraints, cosine_attention, dot_attention, row_statistics
     from .cuda_autocast import cuda_autocast
