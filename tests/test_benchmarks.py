@@ -181,8 +181,10 @@ def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(
     assert small["step"] - large["step"] == small["network"] - large["network"] == 4 * norms
     # the default: ViT-S's step at 256 tokens and batch 256, 1024 times the counted one (16 tokens, batch 4), whose
     # norms (17 tokens × 384 wide, float32) it takes past the written-out backward's threshold
-    assert compiled_kernels.stands_for_scale("256,256", 16) == (256, 256, 256 * 256 / (16 * compiled_kernels.BATCH))
-    assert compiled_kernels.BATCH * 17 * 384 * 4 * 1024 >= center_norm.WRITTEN_OUT_FROM_BYTES > 4 * 17 * 384 * 4
+    tokens, batch, scale = compiled_kernels.stands_for_scale("256,256", 16)
+    assert (tokens, batch) == (256, 256) and scale == 256 * 256 / (16 * compiled_kernels.BATCH) == 1024
+    counted_norm_bytes = compiled_kernels.BATCH * 17 * 384 * 4
+    assert counted_norm_bytes * scale >= center_norm.WRITTEN_OUT_FROM_BYTES > counted_norm_bytes
     for bad in ("256", "256,0", "a,b"):
         with pytest.raises(ValueError, match="two positive integers"):
             compiled_kernels.stands_for_scale(bad, 16)
