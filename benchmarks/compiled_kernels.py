@@ -208,11 +208,19 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str,
 def generated_launches(run: Callable[[], object], fresh: bool = True) -> np.ndarray:
     """The launches of the code Inductor generates while ``run()`` runs, [Triton kernels for an H200, C++ loop nests,
     C++ functions] (:func:`wrapper_launches`; ``fresh``: Dynamo's caches reset first, so that what ``run`` compiles
-    is compiled, and counted, anew)."""
+    is compiled, and counted, anew). A graph break while it runs is an error: the pieces' launches are not those of
+    the one graph a training step compiles."""
     if fresh:
         torch._dynamo.reset()
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])  # the process's so far (a reset keeps them)
     with generated_modules() as (cpp, triton):
         run()
+    new = [reason for reason, times in torch._dynamo.utils.counters["graph_break"].items()
+           if times > breaks.get(reason, 0)]
+    if new:  # the count would be the pieces' of a broken graph
+        reasons = "; ".join(reason.split("\n")[0] for reason in new)
+        raise RuntimeError(f"a graph break while counting the compiled code ({reasons[:500]}): a compiled training "
+                           f"step runs without one (tests/test_compile.py), so its launches are not these")
     assert len(triton) == len(cpp), f"{len(triton)} graphs generated for the H200, {len(cpp)} for the CPU"
     kernels = sum((wrapper_launches(source)[1] for source in triton), 0)
     return np.array([kernels, *sum((wrapper_launches(source) for source in cpp), np.zeros(2, dtype=int))])

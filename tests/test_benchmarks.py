@@ -162,10 +162,10 @@ def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
 
 def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(benchmark_modules, monkeypatch):
     """``compiled_kernels.py``'s eager columns take the size decisions of the GPU step they stand for (``--stands_for``,
-    256 tokens at batch 256 by default): LipsFormer's CenterNorms, counted at 16 tokens and batch 4, take their
-    written-out backward (four launches fewer a norm) where the step they stand for is large enough, as
-    ``step_cost.py --count`` does; at scale 1 they keep the formula. (The compiled graphs, not generated here, take the
-    formula at every size: ``test_center_norm``.)"""
+    256 tokens at batch 256 by default): LipsFormer's CenterNorms and residual scales, counted at 16 tokens and batch 4,
+    take their written-out backwards (four launches fewer a norm, one a scale) where the step they stand for is large
+    enough, as ``step_cost.py --count`` does; at scale 1 they keep the formula. (The compiled graphs, not generated
+    here, take the formula at every size: ``test_center_norm``, ``test_channel_scale``.)"""
     import compiled_kernels
     import numpy as np
     import step_cost
@@ -177,8 +177,9 @@ def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(
     case = next(c for c in step_cost.CASES if c.label == "lipsformer")
     depth = PRESETS["vit"]["micro"]["depth"]
     small, large = (compiled_kernels.counts_at(case, "micro", 16, depth, "bf16", scale) for scale in (1.0, 1e9))
-    norms = 2 * depth + 1  # two a block and the final one
-    assert small["step"] - large["step"] == small["network"] - large["network"] == 4 * norms
+    norms, scales = 2 * depth + 1, 2 * depth  # norms: two a block and the final one; residual scales: two a block
+    # four launches fewer a norm, one a residual scale (its product written in bf16, no cast after it)
+    assert small["step"] - large["step"] == small["network"] - large["network"] == 4 * norms + scales
     # the default: ViT-S's step at 256 tokens and batch 256, 1024 times the counted one (16 tokens, batch 4), whose
     # norms (17 tokens × 384 wide, float32) it takes past the written-out backward's threshold
     tokens, batch, scale = compiled_kernels.stands_for_scale("256,256", 16)
@@ -286,6 +287,25 @@ def test_a_compiled_power_iterations_kernels_do_not_grow_with_the_matrices_of_a_
 
     four = kernels(4)  # [Triton kernels, C++ loop nests, C++ functions]
     assert kernels(12) == four and four[1] > four[2] > 0 and four[0] > 0
+
+
+@needs_fake_gpu
+def test_compiled_kernels_refuses_to_count_a_broken_graph(benchmark_modules):
+    """A graph break while the compiled code is counted is an error (the count would be the pieces'); without one the
+    same function counts. (A residual scale that asked ``torch.result_type`` before its compile check broke the
+    compiled LipsFormer network at every residual scale: 77 launches counted where the whole graph has over 600.)"""
+    from compiled_kernels import generated_launches
+
+    def scaled(x, breaking):
+        y = torch.relu(x) * 2
+        if breaking:
+            torch._dynamo.graph_break()
+        return y + 1
+
+    x = torch.randn(8, 4)
+    assert generated_launches(lambda: torch.compile(scaled)(x, False))[0] > 0
+    with pytest.raises(RuntimeError, match="graph break while counting"):
+        generated_launches(lambda: torch.compile(scaled)(x, True))
 
 
 @needs_fake_gpu
