@@ -53,20 +53,22 @@ WRITTEN_OUT_FROM_BYTES = 2**24
 _size_scale = 1.0  # sizes are judged as this many times larger (:func:`sized_as`)
 
 
-def written_out(x: torch.Tensor) -> bool:
+def written_out(x: torch.Tensor, from_bytes: int | None = None) -> bool:
     """Whether a CenterNorm on ``x`` takes the written-out backward: where x has at least ``WRITTEN_OUT_FROM_BYTES``
-    bytes, and not inside a compiled graph (Inductor fuses the formula's operators; one path at every batch size keeps
-    one compile)."""
+    bytes (``from_bytes`` where given: another written-out backward's own size, as
+    :func:`~stability.nn.channel_scale.channel_scale`'s), and not inside a compiled graph (Inductor fuses the formula's
+    operators; one path at every batch size keeps one compile)."""
     if torch.compiler.is_compiling():
         return False
-    return x.numel() * x.element_size() * _size_scale >= WRITTEN_OUT_FROM_BYTES
+    threshold = WRITTEN_OUT_FROM_BYTES if from_bytes is None else from_bytes
+    return x.numel() * x.element_size() * _size_scale >= threshold
 
 
 @contextlib.contextmanager
 def sized_as(scale: float) -> Iterator[None]:
-    """Inside the block each CenterNorm decides as on an input ``scale`` times larger: a step counted or timed at a
-    small batch or width takes the path of the step it stands for. A nested block replaces the scale (it does not
-    multiply it); process-wide, read by the forward only."""
+    """Inside the block each CenterNorm (each :func:`written_out` decision) decides as on an input ``scale`` times
+    larger: a step counted or timed at a small batch or width takes the path of the step it stands for. A nested block
+    replaces the scale (it does not multiply it); process-wide, read by the forward only."""
     if not scale > 0:
         raise ValueError(f"sized_as needs a positive scale, got {scale}")
     global _size_scale

@@ -28,20 +28,22 @@ from torch import nn
 from ..models import attention_sites, norm_sites, replace_attention_kernel, residual_sites
 from ..models.cswin import CrossShapedAttention
 from ..nn.center_norm import CenterNorm
+from ..nn.channel_scale import channel_scale
 from ..nn.cosine_attention import ScaledCosineKernel
 from ..nn.spectral import spectral_init_
 from .base import Stabilizer, register_stabilizer
 
 
 class ResidualScale(nn.Module):
-    """α ⊙ x with a learnable per-channel α (LipsFormer's weighted residual shortcut)."""
+    """α ⊙ x with a learnable per-channel α (LipsFormer's weighted residual shortcut); under mixed precision on a
+    large input, with its backward written out (:func:`~stability.nn.channel_scale.channel_scale`)."""
 
     def __init__(self, dim: int, init: float) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.full((dim,), float(init)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.alpha * x
+        return channel_scale(x, self.alpha)
 
 
 @register_stabilizer

@@ -306,16 +306,18 @@ def cuda_path(module) -> Iterator[None]:
     in place of the CPU's (:func:`.cuda_autocast.cuda_autocast`: LayerNorm on bf16 inputs in float32, sums and
     softmaxes accumulated in float32, ...), and RMSNorm as CUDA's fused kernel, one operator each way
     (:func:`.fused_rms_norm.counted_as_on_cuda`, where the CPU runs a composite), which LipsFormer's cosine
-    attention takes eagerly on CUDA (``cosine_attention.fused_norm_on``; a compiled graph spells it out), and the
-    hard cap's float32 products as three TF32 products each (``constraints.split_products_on``: counted as TF32
-    FLOPs)."""
+    attention takes eagerly on CUDA (``cosine_attention.fused_norm_on``; a compiled graph spells it out), the hard
+    cap's float32 products as three TF32 products each (``constraints.split_products_on``: counted as TF32 FLOPs),
+    and products cast to a narrower dtype as CUDA's kernels store them (``channel_scale.casting_out_on``: LipsFormer's
+    residual scales)."""
     from .. import optim
-    from ..nn import constraints, cosine_attention, dot_attention, row_statistics
+    from ..nn import channel_scale, constraints, cosine_attention, dot_attention, row_statistics
     from .cuda_autocast import cuda_autocast
     from .fused_rms_norm import counted_as_on_cuda
 
     saved = (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
-             row_statistics.attention_lse, cosine_attention.fused_norm_on, constraints.split_products_on)
+             row_statistics.attention_lse, cosine_attention.fused_norm_on, constraints.split_products_on,
+             channel_scale.casting_out_on)
 
     def fused_sdpa(q, k, v, scale, cap, compiled=True, backend="inductor"):
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
@@ -331,6 +333,7 @@ def cuda_path(module) -> Iterator[None]:
     row_statistics.attention_lse = flash_lse
     cosine_attention.fused_norm_on = lambda device: True
     constraints.split_products_on = lambda device: True
+    channel_scale.casting_out_on = lambda device: True
     for stabilizer in module.stabilizers:
         stabilizer.on_device(torch.device("cuda"))
     module._stabilizers_device = torch.device("cpu")  # the module does not ask again on the CPU tensors
@@ -341,7 +344,8 @@ def cuda_path(module) -> Iterator[None]:
             yield
     finally:
         (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
-         row_statistics.attention_lse, cosine_attention.fused_norm_on, constraints.split_products_on) = saved
+         row_statistics.attention_lse, cosine_attention.fused_norm_on, constraints.split_products_on,
+         channel_scale.casting_out_on) = saved
 
 
 # ------------------------------------------------------------------------------------------------------- the model
