@@ -205,6 +205,13 @@ def counts_at(case, size: str, tokens: int, depth: int, precision: str,
     return result
 
 
+def graph_break_reasons() -> dict[str, int]:
+    """Dynamo's graph breaks so far, by reason: an unsupported call is filed under ``graph_break``, a data-dependent
+    branch (``if tensor:``) under ``unimplemented`` only."""
+    counters = torch._dynamo.utils.counters
+    return {**counters["unimplemented"], **counters["graph_break"]}
+
+
 def generated_launches(run: Callable[[], object], fresh: bool = True) -> np.ndarray:
     """The launches of the code Inductor generates while ``run()`` runs, [Triton kernels for an H200, C++ loop nests,
     C++ functions] (:func:`wrapper_launches`; ``fresh``: Dynamo's caches reset first, so that what ``run`` compiles
@@ -212,11 +219,10 @@ def generated_launches(run: Callable[[], object], fresh: bool = True) -> np.ndar
     the one graph a training step compiles."""
     if fresh:
         torch._dynamo.reset()
-    breaks = dict(torch._dynamo.utils.counters["graph_break"])  # the process's so far (a reset keeps them)
+    breaks = graph_break_reasons()  # the process's so far (a reset keeps them)
     with generated_modules() as (cpp, triton):
         run()
-    new = [reason for reason, times in torch._dynamo.utils.counters["graph_break"].items()
-           if times > breaks.get(reason, 0)]
+    new = [reason for reason, times in graph_break_reasons().items() if times > breaks.get(reason, 0)]
     if new:  # the count would be the pieces' of a broken graph
         reasons = "; ".join(reason.split("\n")[0] for reason in new)
         raise RuntimeError(f"a graph break while counting the compiled code ({reasons[:500]}): a compiled training "

@@ -188,19 +188,39 @@ def test_taken_on_cuda_for_a_widened_input_from_32_mib_with_a_gradient_and_never
     assert path(large) == "MulBackward0"
 
 
-def test_under_torch_funcs_transforms_the_formula(monkeypatch):
-    """Forward mode (``jvp``), which the Function does not have, and ``vmap``: the formula is taken, so they run (the
-    Function taken under ``jvp``, planted, fails)."""
+def test_under_torch_funcs_transforms_and_forward_mode_the_formula(monkeypatch):
+    """Forward mode, which the Function does not have — ``jvp`` in x or in α alone, a dual tensor of
+    ``torch.autograd.forward_ad`` — and ``vmap``: the formula is taken, so they run (the Function taken, planted,
+    fails for want of a jvp)."""
+    import torch.autograd.forward_ad as forward_ad
+
     monkeypatch.setattr(channel_scale_module, "WRITTEN_OUT_FROM_BYTES", 0)
     monkeypatch.setattr(channel_scale_module, "casting_out_on", lambda device: True)
     x, alpha, tangent = inputs(torch.bfloat16, alpha_dtype=torch.float32)
     alpha.requires_grad_(True)
-    out, derivative = torch.func.jvp(lambda rows: channel_scale(rows, alpha), (x,), (tangent.to(x.dtype),))
-    assert_equal([out, derivative], [formula(x, alpha), formula(tangent.to(x.dtype), alpha)])
+    tangent = tangent.to(x.dtype)
+
+    def in_x():
+        return torch.func.jvp(lambda rows: channel_scale(rows, alpha), (x,), (tangent,))
+
+    trained_x = x.detach().requires_grad_(True)  # a gradient will be taken: the Function's other condition
+
+    def in_alpha():
+        return torch.func.jvp(lambda a: channel_scale(trained_x, a), (alpha.detach(),), (torch.ones_like(alpha),))
+
+    def dual():
+        with forward_ad.dual_level():
+            out = channel_scale(forward_ad.make_dual(x, tangent), alpha)
+            return list(forward_ad.unpack_dual(out))
+
+    assert_equal(list(in_x()), [formula(x, alpha), formula(tangent, alpha)])
+    assert_equal(list(in_alpha()), [formula(x, alpha), formula(x, torch.ones_like(alpha))])
+    assert_equal(dual(), [formula(x, alpha), formula(tangent, alpha)])
     assert_equal([torch.func.vmap(lambda rows: channel_scale(rows, alpha))(x)], [formula(x, alpha)])
     monkeypatch.setattr(channel_scale_module, "transformed", lambda t: False)
-    with pytest.raises((NotImplementedError, RuntimeError)):
-        torch.func.jvp(lambda rows: channel_scale(rows, alpha), (x,), (tangent.to(x.dtype),))
+    for forward in (in_x, in_alpha, dual):
+        with pytest.raises(NotImplementedError, match="jvp"):
+            forward()
 
 
 def test_two_passes_over_the_float32_gradient_fewer_than_autograd():
@@ -254,7 +274,8 @@ def test_lipsformer_trains_under_bf16_autocast_with_autograds_gradients(backbone
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_on_a_gpu_a_half_precision_input_gets_autograds_gradients(half):
     """CUDA's kernels: the product written in x's dtype equals autograd's product and cast, bit for bit, in either
-    layout of the upstream gradient; CUDA takes the Function from 32 MiB; float64 stays float64."""
+    layout of the upstream gradient, and a float32 x under a float64 α (float64 stays float64); CUDA takes the
+    Function from 32 MiB."""
     args = [t.cuda() for t in inputs(half, shape=(64, 197, 384), alpha_dtype=torch.float32)]
     assert_equal(outputs_and_gradients(_ChannelScale.apply, *args), outputs_and_gradients(formula, *args))
     permuted = args[2].transpose(0, 1).contiguous().transpose(0, 1)  # the same values, another layout
@@ -264,5 +285,8 @@ def test_on_a_gpu_a_half_precision_input_gets_autograds_gradients(half):
     alpha = args[1].detach().requires_grad_(True)
     assert type(channel_scale(large, alpha).grad_fn).__name__ == "_ChannelScaleBackward"
     assert type(channel_scale(large[:200], alpha).grad_fn).__name__ == "MulBackward0"
-    double = [t.cuda() for t in inputs(torch.float64, shape=(64, 197, 384))]
-    assert all(t.dtype == torch.float64 for t in outputs_and_gradients(_ChannelScale.apply, *double))
+    # a float32 x and a float64 α: the product in float64, written in float32 by the kernel; α's gradient float64
+    wide = [t.cuda() for t in inputs(torch.float32, shape=(64, 197, 384), alpha_dtype=torch.float64)]
+    got = outputs_and_gradients(_ChannelScale.apply, *wide)
+    assert_equal(got, outputs_and_gradients(formula, *wide))
+    assert [t.dtype for t in got] == [torch.float64, torch.float32, torch.float64]

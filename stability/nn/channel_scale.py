@@ -13,6 +13,7 @@ autograd's: the product and its rounding, the sum and its order, are autograd's 
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from .center_norm import written_out
 
@@ -24,9 +25,11 @@ WRITTEN_OUT_FROM_BYTES = 2**25
 
 
 def transformed(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a torch.func transform's tensor (``vmap``, ``grad``, ``jvp``) or autograd's batched gradient
-    (``is_grads_batched``), on which an ``out=`` product has no batching rule and a Function no forward mode."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
+    """Whether ``t`` is a torch.func transform's tensor (``vmap``, ``grad``, ``jvp``), autograd's batched gradient
+    (``is_grads_batched``) or a forward-mode dual tensor, on which an ``out=`` product has no batching rule and a
+    Function no forward mode."""
+    return (torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
+            or forward_ad.unpack_dual(t).tangent is not None)
 
 
 def casting_out_on(device: torch.device) -> bool:
@@ -41,11 +44,11 @@ def channel_scale(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     promotes x to a wider dtype (a bf16 or fp16 x and a float32 α; a float32 x and a float64 α), the device casts as it
     stores (:func:`casting_out_on`) and x has at least ``WRITTEN_OUT_FROM_BYTES`` bytes, judged as
     :func:`~stability.nn.center_norm.written_out` judges (its ``sized_as`` scale; never inside a compiled graph, where
-    Inductor fuses the formula); not under torch.func's transforms (the Function has no forward mode). Elsewhere
-    autograd through ``alpha * x``."""
+    Inductor fuses the formula); not under torch.func's transforms or forward-mode AD, on x or α (the Function has no
+    forward mode). Elsewhere autograd through ``alpha * x``."""
     if (written_out(x, WRITTEN_OUT_FROM_BYTES) and torch.is_grad_enabled() and (x.requires_grad or alpha.requires_grad)
             and torch.promote_types(alpha.dtype, x.dtype) != x.dtype and casting_out_on(x.device)
-            and not transformed(x)):
+            and not transformed(x) and not transformed(alpha)):
         return _ChannelScale.apply(x, alpha)
     return alpha * x
 
