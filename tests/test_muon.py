@@ -120,6 +120,57 @@ def test_hard_caps_take_one_first_sign_a_wide_shape_and_one_second_sign(monkeypa
     assert calls == [(3, 16, 16), (4, 16, 32), (1, 10, 24), (1, 12, 20), (9, 16, 16)]
 
 
+def test_second_signs_of_alike_widths_share_a_batch_and_unlike_ones_run_apart():
+    """A ViT's widths (its d, a 49-wide patch embedding, a 10-class head) take one padded batch; Swin-T's 768, 384, 192
+    and 96 one each (padded to 768, the 96s would take 512× their products). For any sizes, every stack is in one
+    batch and no batch's padded products exceed PAD_FLOPS times its members' own."""
+    assert constraints.padded_batches([(24, 64), (1, 49), (1, 10)]) == [[0, 1, 2]]
+    assert constraints.padded_batches([(12, 96), (13, 768), (13, 192), (37, 384)]) == [[1], [3], [2], [0]]
+    assert constraints.padded_batches([(1, 8), (2, 8)], slack=1.0) == [[0, 1]]  # one width: never padded
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (), generator=gen))
+        sizes = [(int(g), int(r)) for g, r in zip(torch.randint(1, 20, (n,), generator=gen),
+                                                  torch.randint(1, 300, (n,), generator=gen))]
+        batches = constraints.padded_batches(sizes)
+        assert sorted(i for batch in batches for i in batch) == list(range(n))
+        for batch in batches:
+            largest, count = max(sizes[i][1] for i in batch), sum(sizes[i][0] for i in batch)
+            assert count * largest ** 3 <= constraints.PAD_FLOPS * sum(g * r ** 3 for g, r in (sizes[i] for i in batch))
+
+
+def test_hard_caps_of_unlike_widths_take_each_width_s_products_and_equal_each_alone(monkeypatch):
+    """Stacks of widths 32 and 8 (tall and wide among them), capped together: equal to each alone to 1e-10 in
+    float64, in two second-sign batches, with at most PAD_FLOPS the matrix-product FLOPs of capping each alone (torch's
+    FlopCounterMode). The planted error, every second sign in one batch padded to 32 (the batching before this test),
+    takes 3.5× the second signs' products and fails the count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(4)
+    stacks = [torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.8
+              for shape in [(2, 32, 32), (1, 64, 32), (6, 8, 8), (2, 20, 8)]]
+    bound = max(float(rms_singular_values(w).max()) for w in stacks) * 1.001
+
+    def flops(call):
+        with FlopCounterMode(display=False) as counter:
+            result = call()
+        return result, counter.get_total_flops()
+
+    alone = [flops(lambda w=w: constraints.hard_cap(w, 1.0, bound=bound)) for w in stacks]
+    calls = []
+    iterate = constraints.newton_schulz
+    monkeypatch.setattr(constraints, "newton_schulz", lambda x, *args: calls.append(x.shape) or iterate(x, *args))
+    together, batched = flops(lambda: constraints.hard_caps(stacks, 1.0, bound=bound))
+    assert [tuple(shape) for shape in calls[-2:]] == [(3, 32, 32), (8, 8, 8)]
+    for (a, _), b in zip(alone, together):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+    own = sum(f for _, f in alone)
+    assert batched <= constraints.PAD_FLOPS * own, (batched, own)
+    monkeypatch.setattr(constraints, "padded_batches", lambda sizes: [list(range(len(sizes)))])
+    _, planted = flops(lambda: constraints.hard_caps(stacks, 1.0, bound=bound))
+    assert planted > constraints.PAD_FLOPS * own, (planted, own)
+
+
 def test_newton_schulz_msign_matches_the_svd_and_its_quintic_stays_bounded():
     x = torch.linspace(0, 1, 100_001, dtype=torch.float64)
     a, b, c = constraints.JORDAN_QUINTIC

@@ -180,12 +180,13 @@ def hard_cap(weight: torch.Tensor, sigma_max: float, bound: float | None = None,
 def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None = None, sign_growth: int = 8,
               sign_polish: int = 4, split: bool = False) -> list[torch.Tensor]:
     """:func:`hard_cap` of each matrix or stack (…, m, n) in ``weights``, their iterations batched: the stacks that
-    have one shape once made wide (a tall one transposed, e.g. an MLP's two matrices) take one first sign, and every
-    second sign (r × r) runs in one Newton–Schulz batch, each padded with zeros to the largest r. This changes no
-    value beyond rounding: each step maps a block-diagonal matrix block by block, and zero rows and columns stay zero.
-    On a GPU it is the launches of one shape's iterations instead of one per shape and orientation. All of
-    ``weights`` share one dtype and device (batched, mixed dtypes promoted a float32 matrix's result to float64, or
-    failed in a product of two). ``split``: as in :func:`hard_cap` (float32 only)."""
+    have one shape once made wide (a tall one transposed, e.g. an MLP's two matrices) take one first sign, and the
+    second signs (r × r) run in as few Newton–Schulz batches as keep their products within ``PAD_FLOPS`` times each
+    size's own (:func:`padded_batches`; one batch where the widths are alike, as in a ViT), each padded with zeros to
+    its largest r. This changes no value beyond rounding: each step maps a block-diagonal matrix block by block, and
+    zero rows and columns stay zero. On a GPU it is the launches of one shape's iterations instead of one per shape
+    and orientation. All of ``weights`` share one dtype and device (batched, mixed dtypes promoted a float32 matrix's
+    result to float64, or failed in a product of two). ``split``: as in :func:`hard_cap` (float32 only)."""
     if split and weights[0].dtype != torch.float32:
         raise ValueError(f"hard_caps: split=True splits float32 products for TF32 units; got {weights[0].dtype}")
     if any(w.dtype != weights[0].dtype or w.device != weights[0].device for w in weights[1:]):
@@ -214,12 +215,17 @@ def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None
             upper - sigma_max if upper - sigma_max > sigma_max else sigma_max  # (no max(): as in msign)
         signs.append(f)
         sign_inputs.append(sign_input / sign_scale)
-    largest = max(x.shape[-1] for x in sign_inputs)
-    padded = [x if x.shape[-1] == largest else torch.nn.functional.pad(x, (0, largest - x.shape[-1]) * 2)
-              for x in sign_inputs]
-    together = newton_schulz(padded[0] if len(padded) == 1 else torch.cat(padded), sign_growth, sign_polish, split)
+    second: list[torch.Tensor | None] = [None] * len(sign_inputs)  # each stack's second sign, (G, r, r) or padded
+    for batch in padded_batches([(len(x), x.shape[-1]) for x in sign_inputs]):
+        largest = max(sign_inputs[i].shape[-1] for i in batch)
+        padded = [x if x.shape[-1] == largest else torch.nn.functional.pad(x, (0, largest - x.shape[-1]) * 2)
+                  for x in (sign_inputs[i] for i in batch)]
+        together = newton_schulz(padded[0] if len(padded) == 1 else torch.cat(padded), sign_growth, sign_polish,
+                                 split)
+        for i, q in zip(batch, together.split([len(x) for x in padded])):
+            second[i] = q
     results: list[torch.Tensor | None] = [None] * len(weights)
-    for m, f, x, q, group in zip(merged, signs, sign_inputs, together.split([len(x) for x in sign_inputs]), members):
+    for m, f, x, q, group in zip(merged, signs, sign_inputs, second, members):
         r = x.shape[-1]
         capped = _bmm(q[:, :r, :r], sigma_max * f - m, split, out=sigma_max * f + m, beta=0.5, alpha=-0.5,
                       reuse_out=True)
@@ -228,6 +234,38 @@ def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None
             part = part.reshape(wide[i][0].shape)
             results[i] = (part.mT if tall else part) / scales[i]
     return results
+
+
+# A batch of second signs padded to its largest r may take this many times the products of its members' own sizes.
+# Unbounded, Swin-T's widths 96 … 768 in one batch made the hard cap 14× plain Muon's step on the CPU (each width's
+# r³ padded to 768³), where a batch a width takes 4×.
+PAD_FLOPS = 1.25
+
+
+def padded_batches(sizes: list[tuple[int, int]], slack: float | None = None) -> list[list[int]]:
+    """The indices of ``sizes`` — (count, r) of each stack of r × r second-sign inputs — grouped into the Newton–Schulz
+    batches :func:`hard_caps` runs, each padded to its largest r: whole sizes, largest first, a size joining the batch
+    of the sizes above it while that batch's padded products (its count × r_max³) stay within ``slack`` (default
+    ``PAD_FLOPS``) times its members' own (Σ count × r³: the products of running each size apart), else starting a
+    batch of its own. A batch saves launches (a GPU's time for small matrices); padding a small r to a much larger one
+    multiplies its products by (r_max / r)³. Host arithmetic on shapes: the batches are fixed for a model (one
+    compiled graph)."""
+    slack = PAD_FLOPS if slack is None else slack
+    by_size: dict[int, list[int]] = {}
+    for i, (_, r) in enumerate(sizes):
+        by_size.setdefault(r, []).append(i)
+    batches: list[list[int]] = []
+    largest = count = own = 0
+    for r in sorted(by_size, reverse=True):
+        members = by_size[r]
+        added = sum(sizes[i][0] for i in members)
+        if batches and (count + added) * largest ** 3 <= slack * (own + added * r ** 3):
+            batches[-1] += members
+        else:
+            batches.append(list(members))
+            largest, count, own = r, 0, 0
+        count, own = count + added, own + added * r ** 3
+    return batches
 
 
 def hard_cap_svd(weight: torch.Tensor, sigma_max: float) -> torch.Tensor:
