@@ -874,6 +874,23 @@ def test_step_cost_refuses_an_unknown_case_naming_the_valid_ones():
     assert done.returncode != 0 and "--cases ['qknorm']: choose from" in done.stderr and "'qk_norm'" in done.stderr
 
 
+def test_step_counts_from_one_and_two_blocks_equal_those_from_two_and_three(benchmark_modules, monkeypatch):
+    """step_cost.counted extrapolates a step's counts from one and two blocks, which holds only while no decision
+    changes with the depth. The hard cap's batching of second signs once did: a ViT's head and patch embedding joined
+    its blocks' padded batch from two blocks on and ran apart at one, and the Lipschitz transformer's ViT-S step was
+    counted at 431 launches for 941. Its hard-capped micro step, extrapolated to four blocks from (1, 2) and from
+    (2, 3) blocks, gives the same launches, bytes and FLOPs."""
+    import step_cost
+
+    case = next(c for c in step_cost.CASES if c.label == "lipschitz_transformer + muon hard_cap")
+    low = step_cost.counted(case, "vit", "micro", 16, 4, "bf16")
+    monkeypatch.setattr(step_cost, "COUNT_DEPTHS", (2, 3))
+    high = step_cost.counted(case, "vit", "micro", 16, 4, "bf16")
+    assert low.launches == high.launches
+    assert low.bytes == pytest.approx(high.bytes, rel=1e-9)
+    assert low.flops == pytest.approx(high.flops, rel=1e-9)
+
+
 def test_the_shipped_gpu_model_is_the_fit_of_the_committed_counts(benchmark_modules):
     """``gpu_model.FITTED`` (what ``--cost gpu`` predicts with) is the model step_cost.py fits to the committed counts
     of the code the H200 measured and its table: a recount that changes them (a counter that sees more) refits it."""

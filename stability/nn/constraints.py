@@ -181,9 +181,9 @@ def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None
               sign_polish: int = 4, split: bool = False) -> list[torch.Tensor]:
     """:func:`hard_cap` of each matrix or stack (…, m, n) in ``weights``, their iterations batched: the stacks that
     have one shape once made wide (a tall one transposed, e.g. an MLP's two matrices) take one first sign, and the
-    second signs (r × r) run in as few Newton–Schulz batches as keep their products within ``PAD_FLOPS`` times each
-    size's own (:func:`padded_batches`; one batch where the widths are alike, as in a ViT), each padded with zeros to
-    its largest r. This changes no value beyond rounding: each step maps a block-diagonal matrix block by block, and
+    second signs (r × r) run in as few Newton–Schulz batches as keep the padding small (:func:`padded_batches`: one
+    batch where the widths are alike, as in a ViT, a batch a stage width on Swin), each padded with zeros to its
+    largest r. This changes no value beyond rounding: each step maps a block-diagonal matrix block by block, and
     zero rows and columns stay zero. On a GPU it is the launches of one shape's iterations instead of one per shape
     and orientation. All of ``weights`` share one dtype and device (batched, mixed dtypes promoted a float32 matrix's
     result to float64, or failed in a product of two). ``split``: as in :func:`hard_cap` (float32 only)."""
@@ -236,35 +236,37 @@ def hard_caps(weights: list[torch.Tensor], sigma_max: float, bound: float | None
     return results
 
 
-# A batch of second signs padded to its largest r may take this many times the products of its members' own sizes.
-# Unbounded, Swin-T's widths 96 … 768 in one batch made the hard cap 14× plain Muon's step on the CPU (each width's
-# r³ padded to 768³), where a batch a width takes 4×.
-PAD_FLOPS = 1.25
+# A width joins the batch of a larger one while padding its second signs to that width adds at most this share of the
+# larger width's own products. One batch padded to the largest r made Swin-T's hard cap 14× plain Muon's step on the
+# CPU (its 96-wide signs padded to 768: 512× their products); a batch a stage width takes about 5×.
+PAD_SHARE = 0.25
 
 
-def padded_batches(sizes: list[tuple[int, int]], slack: float | None = None) -> list[list[int]]:
+def padded_batches(sizes: list[tuple[int, int]], share: float | None = None) -> list[list[int]]:
     """The indices of ``sizes`` — (count, r) of each stack of r × r second-sign inputs — grouped into the Newton–Schulz
-    batches :func:`hard_caps` runs, each padded to its largest r: whole sizes, largest first, a size joining the batch
-    of the sizes above it while that batch's padded products (its count × r_max³) stay within ``slack`` (default
-    ``PAD_FLOPS``) times its members' own (Σ count × r³: the products of running each size apart), else starting a
-    batch of its own. A batch saves launches (a GPU's time for small matrices); padding a small r to a much larger one
-    multiplies its products by (r_max / r)³. Host arithmetic on shapes: the batches are fixed for a model (one
-    compiled graph)."""
-    slack = PAD_FLOPS if slack is None else slack
+    batches :func:`hard_caps` runs, each padded to the r of its lead: whole widths, largest first, a width joining the
+    batch led by a larger one while the padding of its own signs, count × (r_lead³ − r³), is at most ``share``
+    (default ``PAD_SHARE``) of the lead width's products (its count × r_lead³), else leading a batch of its own. A
+    batch saves launches (a GPU's time for small matrices: a ViT's head and patch embedding join its blocks' width);
+    padding a small r to a much larger one multiplies its products by (r_lead / r)³ (Swin's stage widths lead a batch
+    each). A batch's padded products are at most 1 + ``share`` × (the widths that joined it) times its members' own.
+    Judged against the lead width alone, so that a model's blocks, the lead, decide alike at any depth (the step
+    counts, ``benchmarks/step_cost.py``, extrapolate from one and two blocks). Host arithmetic on shapes: the batches
+    are fixed for a model (one compiled graph)."""
+    share = PAD_SHARE if share is None else share
     by_size: dict[int, list[int]] = {}
     for i, (_, r) in enumerate(sizes):
         by_size.setdefault(r, []).append(i)
     batches: list[list[int]] = []
-    largest = count = own = 0
+    lead = lead_count = 0
     for r in sorted(by_size, reverse=True):
         members = by_size[r]
-        added = sum(sizes[i][0] for i in members)
-        if batches and (count + added) * largest ** 3 <= slack * (own + added * r ** 3):
+        count = sum(sizes[i][0] for i in members)
+        if batches and count * (lead ** 3 - r ** 3) <= share * lead_count * lead ** 3:
             batches[-1] += members
         else:
             batches.append(list(members))
-            largest, count, own = r, 0, 0
-        count, own = count + added, own + added * r ** 3
+            lead, lead_count = r, count
     return batches
 
 
