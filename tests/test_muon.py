@@ -125,7 +125,9 @@ def test_second_signs_of_alike_widths_share_a_batch_and_unlike_ones_run_apart():
     (the Lipschitz transformer's ViT-S: six 384-wide matrices, a 48-wide patch embedding, the head), as at any depth:
     the step counts extrapolate from one and two blocks. Swin-T's 768, 384, 192 and 96 lead a batch each (padded to
     768, the 96s would take 512× their products). For any sizes: every stack in one batch, a batch's widths in
-    descending order from its lead, and each joined width's padding at most PAD_SHARE of its lead's products."""
+    descending order from its lead, each joined width's padding at most PAD_SHARE of its lead's products (so a batch's
+    padded products at most its own plus PAD_SHARE of the lead's for each width that joined), and a width leading a
+    batch of its own only where joining the batch before would have padded it more."""
     assert constraints.padded_batches([(24, 64), (1, 49), (1, 10)]) == [[0, 1, 2]]
     assert constraints.padded_batches([(1, 48), (4, 384), (2, 384), (1, 10)]) == [[1, 2, 0, 3]]
     assert constraints.padded_batches([(12, 96), (13, 768), (13, 192), (37, 384)]) == [[1], [3], [2], [0]]
@@ -142,21 +144,31 @@ def test_second_signs_of_alike_widths_share_a_batch_and_unlike_ones_run_apart():
             lead = sizes[batch[0]][1]
             lead_products = sum(g * r ** 3 for g, r in sizes if r == lead)
             assert all(sizes[i][1] <= lead for i in batch)
-            for r in {sizes[i][1] for i in batch} - {lead}:
+            widths = [sizes[i][1] for i in batch]
+            assert widths == sorted(widths, reverse=True)
+            for r in set(widths) - {lead}:
                 count = sum(g for g, width in sizes if width == r)
                 assert count * (lead ** 3 - r ** 3) <= constraints.PAD_SHARE * lead_products
+            own = sum(sizes[i][0] * sizes[i][1] ** 3 for i in batch)
+            padded = sum(sizes[i][0] for i in batch) * lead ** 3
+            assert padded <= own + constraints.PAD_SHARE * (len(set(widths)) - 1) * lead_products
+        for previous, batch in zip(batches, batches[1:]):  # a width leads a batch only where it could not join
+            lead, r = sizes[previous[0]][1], sizes[batch[0]][1]
+            lead_products = sum(g * width ** 3 for g, width in sizes if width == lead)
+            count = sum(g for g, width in sizes if width == r)
+            assert count * (lead ** 3 - r ** 3) > constraints.PAD_SHARE * lead_products
 
 
 def test_hard_caps_of_unlike_widths_take_each_width_s_products_and_equal_each_alone(monkeypatch):
-    """Stacks of widths 32 and 8 (tall and wide among them), capped together: equal to each alone to 1e-10 in
-    float64, in two second-sign batches, with the matrix-product FLOPs of capping each alone (torch's
-    FlopCounterMode). The planted error, every second sign in one batch padded to 32 (the batching before this test),
-    takes 2.2× the products and fails the count."""
+    """Stacks of widths 8 and 32 (tall and wide among them), capped together: equal to each alone to 1e-10 in
+    float64, in two second-sign batches (the 32s first: results filed back by index), with the matrix-product FLOPs
+    of capping each alone (torch's FlopCounterMode). The planted error, every second sign in one batch padded to 32
+    (the batching before this test), takes 2.2× the products and fails the count."""
     from torch.utils.flop_counter import FlopCounterMode
 
     gen = torch.Generator().manual_seed(4)
     stacks = [torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.8
-              for shape in [(2, 32, 32), (1, 64, 32), (6, 8, 8), (2, 20, 8)]]
+              for shape in [(6, 8, 8), (2, 20, 8), (2, 32, 32), (1, 64, 32)]]  # the batches in another order
     bound = max(float(rms_singular_values(w).max()) for w in stacks) * 1.001
 
     def flops(call):

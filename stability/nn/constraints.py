@@ -250,8 +250,9 @@ def padded_batches(sizes: list[tuple[int, int]], share: float | None = None) -> 
     batch saves launches (a GPU's time for small matrices: a ViT's head and patch embedding join its blocks' width);
     padding a small r to a much larger one multiplies its products by (r_lead / r)³ (Swin's stage widths lead a batch
     each). A batch's padded products are at most 1 + ``share`` × (the widths that joined it) times its members' own.
-    Judged against the lead width alone, so that a model's blocks, the lead, decide alike at any depth (the step
-    counts, ``benchmarks/step_cost.py``, extrapolate from one and two blocks). Host arithmetic on shapes: the batches
+    Judged against the lead width alone, so that where a model's blocks lead (several matrices a block, against one
+    head and one patch embedding: a ViT) the batches are the same at one block as at any depth (the step counts,
+    ``benchmarks/step_cost.py``, extrapolate from one and two blocks, tested). Host arithmetic on shapes: the batches
     are fixed for a model (one compiled graph)."""
     share = PAD_SHARE if share is None else share
     by_size: dict[int, list[int]] = {}
