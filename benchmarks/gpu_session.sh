@@ -19,7 +19,8 @@
 #   steps       the matrix-product rates the step model prices (bf16, TF32, IEEE float32, 3xTF32: benchmarks/
 #               matmul_rates.py, seconds); every stabilizer's training step, ViT-S at 256 tokens, bf16, eager (1.6 min);
 #               then the baseline, qk_norm and JaSMin eager and compiled (a second command: a cut there keeps the eager
-#               table)
+#               table); last, the hard cap's second signs batched four ways on ViT-S, Swin-T and CSwin-T
+#               (benchmarks/cap_batches.py: whether joining more widths pays on a GPU)
 #   autoattack  the official AutoAttack ℓ2 1.58 on all 10,000 MNIST test images for the published certified
 #               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
 #               MNIST files under data/MNIST/raw
@@ -93,6 +94,8 @@ part_steps() {
     run steps_compiled "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small \
         --tokens 256 --precision bf16 --repeats 3 --cases "none;qk_norm;jasmin k=10" --compiled "qk_norm;jasmin k=10" \
         --out "$OUT/step_cost_compiled.md"
+    run cap_batches "${LIMIT_CAPS:-90}" python benchmarks/cap_batches.py --device cuda \
+        --backbones vit:small,swin:tiny,cswin:tiny --shares 1,4 --repeats 7 --out "$OUT/cap_batches.md"
 }
 
 part_autoattack() {

@@ -60,6 +60,45 @@ def test_step_cost_lists_every_stabilizer_with_ratios_and_targets(tmp_path):
     assert refused[6] == "refused" and "cannot train compiled" in refused[8]
 
 
+def test_cap_batches_compares_the_hard_cap_s_batchings_on_each_backbone_s_matrices(tmp_path):
+    """Each backbone's projection batched four ways: the second signs' widths and counts are the network's constrained
+    matrices (counted here from the network itself); batching alone changes nothing but launches and padded products
+    (each shape alone: the most launches and the fewest products; one batch: the fewest launches); the ratios are the
+    times' ratios to the suite's batching."""
+    from collections import Counter
+
+    from stability.classifier import ImageClassifier
+
+    text = run_benchmark("cap_batches.py", tmp_path / "caps.md")
+    rows = table_rows(text)
+    ways = ["by width", "by width, share 1", "each shape alone", "one batch"]
+    assert [row[1] for row in rows] == ways * 3
+    for name in ("vit:micro", "swin:micro", "cswin:micro"):
+        row = {r[1]: r for r in rows if r[0] == name}
+        backbone = name.partition(":")[0]
+        net = ImageClassifier(backbone=backbone, size="micro", stabilizer=["muon"], num_classes=10, in_chans=3,
+                              image_size=8, backbone_options={"window_size": 4} if backbone == "swin" else {},
+                              stabilizer_options={"muon": {"constraint": "hard_cap"}}).stabilizers[0]
+        widths = Counter(min(w.shape) for w in net._matrices)  # the r × r second sign of every matrix
+        for way in ways:
+            listed = Counter()
+            for batch in row[way][2].split("; "):
+                for member in batch.split(" + "):
+                    count, r = member.split("×")
+                    listed[int(r)] += int(count)
+            assert listed == widths, (name, way, listed, widths)
+        launches = {way: int(row[way][3]) for way in ways}
+        gflop = {way: float(row[way][5]) for way in ways}
+        assert launches["each shape alone"] > launches["by width"] >= launches["one batch"]
+        assert gflop["each shape alone"] <= gflop["by width"] * 1.001 <= gflop["one batch"] * 1.002
+        assert row["by width"][7] == "1.00×" and row["by width"][9] == "1.00×"
+        for way in ways:
+            assert float(row[way][7].rstrip("×")) == pytest.approx(float(row[way][6]) / float(row["by width"][6]),
+                                                                   abs=0.01, rel=0.01)
+    cswin = {r[1]: r for r in rows if r[0] == "cswin:micro"}  # widths 128, 64, 32: padding all to 128 costs products
+    assert float(cswin["one batch"][5]) > 2 * float(cswin["by width"][5])
+
+
 def test_matmul_rates_time_every_precision_at_every_shape(tmp_path):
     """Each shape's product in bf16, TF32, IEEE float32 and as three TF32 products, with its time, its rate (the
     product's FLOPs over its time, for every precision) and the model's assumed rate; a verdict per shape; on the CPU,
