@@ -1,7 +1,7 @@
 """The hard cap's second signs batched four ways, on each backbone's constrained matrices: the projection alone, timed,
 counted on the GPU's code path, and priced by the H200 step model.
 
-    python benchmarks/cap_batches.py                          # ViT-Ti, Swin-T, CSwin-T on the CPU (~10 min, 2 threads)
+    python benchmarks/cap_batches.py                          # ViT-Ti, Swin-T, CSwin-T on the CPU (~8 min, 2 threads)
     python benchmarks/cap_batches.py --device cuda            # the same on a GPU (seconds)
     python benchmarks/cap_batches.py --quick                  # micro presets (tests)
 
@@ -19,7 +19,8 @@ batchings compared, each on the same matrices:
 Each row is one call of the projection a training step makes after Muon's update (``MuonConstrained._project``: the
 weights stacked by shape, capped, copied back), at the step bound of Muon's default learning rate. ``ms``: its time
 here (the median of ``--repeats`` interleaved calls); launches, GB and GFLOP: counted on the GPU's code path on the
-CPU (``stability.testing.gpu_model``; float32 products as three TF32 products each with ``--cap_products tf32x3``);
+CPU (``stability.testing.gpu_model``; float32 products as three TF32 products each with ``--cap_products tf32x3``,
+which only a GPU times: refused on the CPU, whose cap takes IEEE float32 products);
 ``H200 ms``: the step model fitted to the H200's step table, applied to those counts: a prediction.
 """
 from __future__ import annotations
@@ -90,7 +91,8 @@ def projection(backbone: str, size: str, device: torch.device, cap_products: str
     module, _ = build_module(backbone, size, "muon", {"constraint": "hard_cap", "cap_products": cap_products},
                              image_size=image_size, device=device, backbone_options=backbone_options)
     stab = next(s for s in module.stabilizers if s.name == "muon")
-    largest = stab.sigma_max + stab.lr * newton_schulz_bound(stab.ns_steps)  # after_optimizer_step's, no decay
+    etas = stab._etas()  # after_optimizer_step's bound on every norm after Muon's update (its default: no measured one)
+    largest = stab.sigma_max * (1 - stab.weight_decay * min(etas)) + max(etas) * newton_schulz_bound(stab.ns_steps)
     return module, lambda: stab._project(largest)
 
 
@@ -103,6 +105,10 @@ def main() -> None:
                    help="muon's cap_products: tf32x3 takes three TF32 products for each float32 one on a GPU")
     args = p.parse_args()
     device = setup(args)
+    if args.cap_products == "tf32x3" and not constraints.split_products_on(device):
+        raise SystemExit(f"--cap_products tf32x3: {device.type} has no TF32 units, so its cap would take IEEE float32 "
+                         "products while the counts take three TF32 products each; give --device cuda (a GPU with "
+                         "TF32), or float32")
     if args.quick:
         args.backbones, args.repeats = QUICK_BACKBONES, 1
     try:
@@ -132,7 +138,6 @@ def main() -> None:
             rows.append([entry, label, described[label], int(c.launches), c.bytes / 1e9, _plain(c.total_flops() / 1e9),
                          _plain(1000 * seconds[label]), f"{seconds[label] / seconds[SUITE]:.2f}×",
                          _plain(1000 * predicted[label]), f"{predicted[label] / predicted[SUITE]:.2f}×"])
-        del module
     header = ["backbone", "batching", "second-sign batches (count × r, padded to the first r)", "launches",
               "GB (non-matrix ops)", "GFLOP", f"{device.type} ms", f"× {SUITE}", "H200 ms (predicted)",
               f"× {SUITE} (H200)"]
@@ -145,7 +150,7 @@ def main() -> None:
 
 
 def _plain(value: float) -> str:
-    """Three significant digits, or the whole number where it has more (no exponent)."""
+    """Three significant digits; from 1,000 on, the whole number (no exponent)."""
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
