@@ -3,6 +3,7 @@ counted on the GPU's code path, and priced by the H200 step model.
 
     python benchmarks/cap_batches.py                          # ViT-Ti, Swin-T, CSwin-T on the CPU (~8 min, 2 threads)
     python benchmarks/cap_batches.py --device cuda            # the same on a GPU (seconds)
+    python benchmarks/cap_batches.py --count --cap_products tf32x3   # no timing: the 3xTF32 cap counted and priced
     python benchmarks/cap_batches.py --quick                  # micro presets (tests)
 
 ``muon``'s hard cap (``constraints.hard_caps``) takes one first sign a weight shape and then a second sign of an
@@ -20,12 +21,13 @@ Each row is one call of the projection a training step makes after Muon's update
 weights stacked by shape, capped, copied back), at the step bound of Muon's default learning rate. ``ms``: its time
 here (the median of ``--repeats`` interleaved calls); launches, GB and GFLOP: counted on the GPU's code path on the
 CPU (``stability.testing.gpu_model``; float32 products as three TF32 products each with ``--cap_products tf32x3``,
-which only a GPU times: refused on the CPU, whose cap takes IEEE float32 products);
+which only a GPU times: on the CPU, whose cap takes IEEE float32 products, with ``--count`` only);
 ``H200 ms``: the step model fitted to the H200's step table, applied to those counts: a prediction.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from unittest import mock
 
 import torch
@@ -103,12 +105,13 @@ def main() -> None:
                                                  f"(the suite's: {constraints.PAD_SHARE:g}); '' for none")
     p.add_argument("--cap_products", default="float32", choices=("float32", "tf32x3"),
                    help="muon's cap_products: tf32x3 takes three TF32 products for each float32 one on a GPU")
+    p.add_argument("--count", action="store_true", help="no timing: the counts and the H200 prediction only")
     args = p.parse_args()
     device = setup(args)
-    if args.cap_products == "tf32x3" and not constraints.split_products_on(device):
+    if args.cap_products == "tf32x3" and not args.count and not constraints.split_products_on(device):
         raise SystemExit(f"--cap_products tf32x3: {device.type} has no TF32 units, so its cap would take IEEE float32 "
-                         "products while the counts take three TF32 products each; give --device cuda (a GPU with "
-                         "TF32), or float32")
+                         "products while the counts take three TF32 products each; give --count (no timing), "
+                         "--device cuda (a GPU with TF32), or float32")
     if args.quick:
         args.backbones, args.repeats = QUICK_BACKBONES, 1
     try:
@@ -132,17 +135,20 @@ def main() -> None:
                 counted[label] = gpu_model.count(project)
             described[label] = describe(*seen[-1])
         timed = {label: (lambda b=batching, p=project: _call(p, b)) for label, batching in ways.items()}
-        seconds = interleaved(timed, device, args.repeats, warmup=1)
+        seconds = dict.fromkeys(ways, float("nan")) if args.count else interleaved(timed, device, args.repeats,
+                                                                                   warmup=1)
         predicted = {label: model.seconds(c) for label, c in counted.items()}
         for label, c in counted.items():
             rows.append([entry, label, described[label], int(c.launches), c.bytes / 1e9, _plain(c.total_flops() / 1e9),
-                         _plain(1000 * seconds[label]), f"{seconds[label] / seconds[SUITE]:.2f}×",
-                         _plain(1000 * predicted[label]), f"{predicted[label] / predicted[SUITE]:.2f}×"])
+                         _plain(1000 * seconds[label]), _times(seconds[label] / seconds[SUITE]),
+                         _plain(1000 * predicted[label]), _times(predicted[label] / predicted[SUITE])])
     header = ["backbone", "batching", "second-sign batches (count × r, padded to the first r)", "launches",
               "GB (non-matrix ops)", "GFLOP", f"{device.type} ms", f"× {SUITE}", "H200 ms (predicted)",
               f"× {SUITE} (H200)"]
     body = (f"Muon's hard cap (`cap_products: {args.cap_products}`), the projection after one step, batched as "
-            "the script's docstring says; counts on the GPU's code path, the H200 column the step model's prediction "
+            "the script's docstring says; counts on the GPU's code path (GFLOP: "
+            f"{'TF32, three products for each float32 one' if args.cap_products == 'tf32x3' else 'IEEE float32'}), "
+            f"{'no timing (--count), ' if args.count else ''}the H200 column the step model's prediction "
             f"(`gpu_model.FITTED`: {1e6 * model.launch_s:.1f} µs a launch on the host, "
             f"{model.flops_per_s['fp32'] / 1e12:.3g} TFLOP/s IEEE float32, "
             f"{model.flops_per_s['tf32'] / 1e12:.3g} TF32).\n\n" + markdown(header, rows))
@@ -150,8 +156,12 @@ def main() -> None:
 
 
 def _plain(value: float) -> str:
-    """Three significant digits; from 1,000 on, the whole number (no exponent)."""
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    """Three significant digits; from 1,000 on, the whole number (no exponent); — for no value."""
+    return "—" if math.isnan(value) else f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def _times(ratio: float) -> str:
+    return "—" if math.isnan(ratio) else f"{ratio:.2f}×"
 
 
 def _call(project, batching) -> None:

@@ -20,7 +20,7 @@
 #               matmul_rates.py, seconds); every stabilizer's training step, ViT-S at 256 tokens, bf16, eager (1.6 min);
 #               then the baseline, qk_norm and JaSMin eager and compiled (a second command: a cut there keeps the eager
 #               table); last, the hard cap's second signs batched four ways on ViT-S, Swin-T and CSwin-T
-#               (benchmarks/cap_batches.py: whether joining more widths pays on a GPU)
+#               (benchmarks/cap_batches.py: whether joining more widths pays on a GPU), IEEE and 3xTF32 products
 #   autoattack  the official AutoAttack ℓ2 1.58 on all 10,000 MNIST test images for the published certified
 #               transformer, batches sized by the GPU's memory, the network compiled (target: ≤ 10 min); needs the
 #               MNIST files under data/MNIST/raw
@@ -96,6 +96,8 @@ part_steps() {
         --out "$OUT/step_cost_compiled.md"
     run cap_batches "${LIMIT_CAPS:-90}" python benchmarks/cap_batches.py --device cuda \
         --backbones vit:small,swin:tiny,cswin:tiny --shares 1,4 --repeats 7 --out "$OUT/cap_batches.md"
+    run cap_batches_tf32x3 "${LIMIT_CAPS:-90}" python benchmarks/cap_batches.py --device cuda --cap_products tf32x3 \
+        --backbones vit:small,swin:tiny,cswin:tiny --shares 1,4 --repeats 7 --out "$OUT/cap_batches_tf32x3.md"
 }
 
 part_autoattack() {

@@ -103,6 +103,17 @@ def test_cap_batches_compares_the_hard_cap_s_batchings_on_each_backbone_s_matric
     assert swin["by width"][2] == "13×64; 12×32" and swin["by width, share 1"][2] == "13×64 + 12×32"
     cswin = {r[1]: r for r in rows if r[0] == "cswin:micro"}  # widths 128, 64, 32: padding all to 128 costs products
     assert float(cswin["one batch"][5]) > 2 * float(cswin["by width"][5])
+    # the 3xTF32 cap, counted without timing (the CPU takes IEEE products: timed, it is refused): three products for
+    # each float32 one, the same batches, no time
+    counted = table_rows(run_benchmark("cap_batches.py", tmp_path / "tf32x3.md", "--count", "--cap_products", "tf32x3"))
+    for row, split in zip(rows, counted):
+        assert split[:3] == row[:3] and split[6] == split[7] == "—" and float(split[8]) > 0
+        assert float(split[5]) == pytest.approx(3 * float(row[5]), rel=0.01) and int(split[3]) > int(row[3])
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cap_batches.py"), "--quick", "--cap_products",
+                              "tf32x3", "--out", str(tmp_path / "refused.md")], capture_output=True, text=True,
+                             cwd=ROOT, timeout=300)
+    assert refused.returncode != 0 and "cpu has no TF32 units" in refused.stderr
+    assert not (tmp_path / "refused.md").exists()
 
 
 def test_matmul_rates_time_every_precision_at_every_shape(tmp_path):
