@@ -19,9 +19,10 @@ batchings compared, each on the same matrices:
 
 Each row is one call of the projection a training step makes after Muon's update (``MuonConstrained._project``: the
 weights stacked by shape, capped, copied back), at the step bound of Muon's default learning rate. ``ms``: its time
-here (the median of ``--repeats`` interleaved calls); launches, GB and GFLOP: counted on the GPU's code path on the
-CPU (``stability.testing.gpu_model``; float32 products as three TF32 products each with ``--cap_products tf32x3``,
-which only a GPU times: on the CPU, whose cap takes IEEE float32 products, with ``--count`` only);
+here (the median of ``--repeats`` interleaved calls); launches, GB and GFLOP: counted on the GPU's code path (on a
+CPU, as a GPU would take it: ``stability.testing.gpu_model``; float32 products as three TF32 products each with
+``--cap_products tf32x3``, which only a GPU times: on the CPU, whose cap takes IEEE float32 products, with ``--count``
+only);
 ``H200 ms``: the step model fitted to the H200's step table, applied to those counts: a prediction.
 """
 from __future__ import annotations
