@@ -28,6 +28,7 @@ only);
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from unittest import mock
 
@@ -35,7 +36,6 @@ import torch
 from common import arguments, build_module, interleaved, markdown, setup, write
 
 from stability.nn import constraints
-from stability.stabilizers.muon import newton_schulz_bound
 from stability.testing import gpu_model
 
 BACKBONES = "vit:tiny,swin:tiny,cswin:tiny"
@@ -44,23 +44,17 @@ SUITE = "by width"
 BY_WIDTH = constraints.padded_batches  # the suite's rule, kept before any batching below replaces it
 
 
-def each_alone(sizes: list[tuple[int, int]], share: float | None = None) -> list[list[int]]:
+def each_alone(sizes: list[tuple[int, int]]) -> list[list[int]]:
     return [[i] for i in range(len(sizes))]
 
 
-def one_batch(sizes: list[tuple[int, int]], share: float | None = None) -> list[list[int]]:
+def one_batch(sizes: list[tuple[int, int]]) -> list[list[int]]:
     return [list(range(len(sizes)))]
 
 
-def with_share(share: float):
-    def batches(sizes: list[tuple[int, int]], _: float | None = None) -> list[list[int]]:
-        return BY_WIDTH(sizes, share)
-    return batches
-
-
 def batchings(shares: list[float]) -> dict:
-    """Label → a replacement of ``constraints.padded_batches`` (the suite's own first)."""
-    return {SUITE: BY_WIDTH, **{f"by width, share {s:g}": with_share(s) for s in shares},
+    """Label → a replacement of ``constraints.padded_batches`` (the suite's own first), called with the sizes alone."""
+    return {SUITE: BY_WIDTH, **{f"by width, share {s:g}": functools.partial(BY_WIDTH, share=s) for s in shares},
             "each shape alone": each_alone, "one batch": one_batch}
 
 
@@ -88,15 +82,20 @@ def describe(sizes: list[tuple[int, int]], batches: list[list[int]]) -> str:
 
 
 def projection(backbone: str, size: str, device: torch.device, cap_products: str):
-    """The hard-capped Muon of a ``stability fit`` on ``backbone`` at ``size`` and one call of its projection."""
+    """The hard-capped Muon of a ``stability fit`` on ``backbone`` at ``size`` and one call of its projection: the
+    hooks a training step runs around Muon's update (the decay before it, the projection at the step's bound after)."""
     image_size = 32 if size != "micro" else 8
     backbone_options = {"window_size": 4} if backbone == "swin" else {}
     module, _ = build_module(backbone, size, "muon", {"constraint": "hard_cap", "cap_products": cap_products},
                              image_size=image_size, device=device, backbone_options=backbone_options)
     stab = next(s for s in module.stabilizers if s.name == "muon")
-    etas = stab._etas()  # after_optimizer_step's bound on every norm after Muon's update (its default: no measured one)
-    largest = stab.sigma_max * (1 - stab.weight_decay * min(etas)) + max(etas) * newton_schulz_bound(stab.ns_steps)
-    return module, lambda: stab._project(largest)
+
+    def project() -> None:
+        stab._before_update()
+        stab.after_optimizer_step(module.network)
+
+    project()  # once before it is counted or timed: the step bound's sweep (newton_schulz_bound) is made once, cached
+    return module, project
 
 
 def main() -> None:
