@@ -4,6 +4,7 @@ counted on the GPU's code path, and priced by the H200 step model.
     python benchmarks/cap_batches.py                          # ViT-Ti, Swin-T, CSwin-T on the CPU (~8 min, 2 threads)
     python benchmarks/cap_batches.py --device cuda            # the same on a GPU (seconds)
     python benchmarks/cap_batches.py --count --cap_products tf32x3   # no timing: the 3xTF32 cap counted and priced
+    python benchmarks/cap_batches.py --count --model fp32_flops_per_s=45e12   # priced with another constant
     python benchmarks/cap_batches.py --quick                  # micro presets (tests)
 
 ``muon``'s hard cap (``constraints.hard_caps``) takes one first sign a weight shape and then a second sign of an
@@ -23,7 +24,8 @@ here (the median of ``--repeats`` interleaved calls); launches, GB and GFLOP: co
 CPU, as a GPU would take it: ``stability.testing.gpu_model``; float32 products as three TF32 products each with
 ``--cap_products tf32x3``, which only a GPU times: on the CPU, whose cap takes IEEE float32 products, with ``--count``
 only);
-``H200 ms``: the step model fitted to the H200's step table, applied to those counts: a prediction.
+``H200 ms``: the step model fitted to the H200's step table, applied to those counts: a prediction (``--model``: with
+some of its constants replaced, e.g. those of another fit).
 """
 from __future__ import annotations
 
@@ -106,7 +108,10 @@ def main() -> None:
     p.add_argument("--cap_products", default="float32", choices=("float32", "tf32x3"),
                    help="muon's cap_products: tf32x3 takes three TF32 products for each float32 one on a GPU")
     p.add_argument("--count", action="store_true", help="no timing: the counts and the H200 prediction only")
+    p.add_argument("--model", default="", help="comma-separated CONSTANT=VALUE replacing the H200 model's (constants: "
+                                               f"{', '.join(gpu_model.CONSTANTS)}; seconds and per-second rates)")
     args = p.parse_args()
+    model = priced_by(args.model)
     device = setup(args)
     if args.cap_products == "tf32x3" and not args.count and not constraints.split_products_on(device):
         raise SystemExit(f"--cap_products tf32x3: {device.type} has no TF32 units, so its cap would take IEEE float32 "
@@ -120,7 +125,6 @@ def main() -> None:
         raise SystemExit(f"--shares {args.shares!r}: give comma-separated numbers (e.g. 0.5,1)") from None
     if any(s < 0 for s in shares):
         raise SystemExit(f"--shares {args.shares!r}: a share is at least 0")
-    model = gpu_model.FITTED["h200"]
     ways = batchings(shares)
     rows = []
     for entry in args.backbones.split(","):
@@ -149,10 +153,30 @@ def main() -> None:
             "the script's docstring says; counts on the GPU's code path (GFLOP: "
             f"{'TF32, three products for each float32 one' if args.cap_products == 'tf32x3' else 'IEEE float32'}), "
             f"{'no timing (--count), ' if args.count else ''}the H200 column the step model's prediction "
-            f"(`gpu_model.FITTED`: {1e6 * model.launch_s:.1f} µs a launch on the host, "
-            f"{model.flops_per_s['fp32'] / 1e12:.3g} TFLOP/s IEEE float32, "
+            f"(`gpu_model.FITTED`{', with --model ' + args.model if args.model else ''}: "
+            f"{1e6 * model.launch_s:.1f} µs a launch on the host, {1e6 * model.kernel_s:.1f} µs a kernel, "
+            f"{model.bytes_per_s / 1e12:.3g} TB/s, {model.flops_per_s['fp32'] / 1e12:.3g} TFLOP/s IEEE float32, "
             f"{model.flops_per_s['tf32'] / 1e12:.3g} TF32).\n\n" + markdown(header, rows))
     write("cap_batches", args, device, "The hard cap's second signs, batched four ways", body)
+
+
+def priced_by(replaced: str) -> gpu_model.GpuModel:
+    """The H200 model (``gpu_model.FITTED``) with the constants ``replaced`` names (``launch_s=2.4e-5,...``)."""
+    constants = gpu_model.FITTED["h200"].constants()
+    for item in filter(None, (part.strip() for part in replaced.split(","))):
+        name, _, value = item.partition("=")
+        if name not in constants:
+            raise SystemExit(f"--model {item!r}: no constant {name!r}; choose from {', '.join(constants)}")
+        try:
+            constants[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"--model {item!r}: give {name}=<a number>") from None
+        if not constants[name] > 0:
+            raise SystemExit(f"--model {item!r}: a constant is positive")
+    fitted = gpu_model.FITTED["h200"]
+    return gpu_model.GpuModel(constants["launch_s"], constants["bytes_per_s"],
+                              {p: constants[f"{p}_flops_per_s"] for p in gpu_model.PRECISIONS}, fitted.form,
+                              constants["kernel_s"])
 
 
 def _plain(value: float) -> str:

@@ -114,6 +114,16 @@ def test_cap_batches_compares_the_hard_cap_s_batchings_on_each_backbone_s_matric
                              cwd=ROOT, timeout=300)
     assert refused.returncode != 0 and "cpu has no TF32 units" in refused.stderr
     assert not (tmp_path / "refused.md").exists()
+    # --model replaces the H200 model's constants: with launches and bytes free and IEEE float32 at 1 TFLOP/s, each
+    # row's predicted ms is its GFLOP
+    priced = table_rows(run_benchmark("cap_batches.py", tmp_path / "priced.md", "--count", "--model",
+                                      "launch_s=1e-12,kernel_s=1e-12,bytes_per_s=1e18,fp32_flops_per_s=1e12"))
+    for row in priced:
+        assert float(row[8]) == pytest.approx(float(row[5]), rel=0.01)
+    unknown = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cap_batches.py"), "--quick", "--count",
+                              "--model", "lanch_s=1", "--out", str(tmp_path / "unknown.md")], capture_output=True,
+                             text=True, cwd=ROOT, timeout=300)
+    assert unknown.returncode != 0 and "no constant 'lanch_s'; choose from launch_s, kernel_s" in unknown.stderr
 
 
 def test_matmul_rates_time_every_precision_at_every_shape(tmp_path):
