@@ -35,7 +35,7 @@ import math
 from unittest import mock
 
 import torch
-from common import arguments, build_module, interleaved, markdown, setup, write
+from common import CUT, arguments, build_module, interleaved, markdown, setup, write
 
 from stability.nn import constraints
 from stability.testing import gpu_model
@@ -126,26 +126,24 @@ def main() -> None:
     if any(s < 0 for s in shares):
         raise SystemExit(f"--shares {args.shares!r}: a share is at least 0")
     ways = batchings(shares)
-    rows = []
-    for entry in args.backbones.split(","):
-        backbone, _, size = entry.partition(":")
-        if not size:
+    entries = args.backbones.split(",")
+    for entry in entries:  # before any is measured: a typo fails here
+        if not entry.partition(":")[2]:
             raise SystemExit(f"--backbones {entry!r}: give BACKBONE:SIZE, e.g. swin:tiny")
-        module, project = projection(backbone, size, device, args.cap_products)
-        counted, described = {}, {}
-        for label, batching in ways.items():
-            seen: list = []
-            with gpu_model.cuda_path(module), batched_as(batching, seen):
-                counted[label] = gpu_model.count(project)
-            described[label] = describe(*seen[-1])
-        timed = {label: (lambda b=batching, p=project: _call(p, b)) for label, batching in ways.items()}
-        seconds = dict.fromkeys(ways, float("nan")) if args.count else interleaved(timed, device, args.repeats,
-                                                                                   warmup=1)
-        predicted = {label: model.seconds(c) for label, c in counted.items()}
-        for label, c in counted.items():
-            rows.append([entry, label, described[label], int(c.launches), c.bytes / 1e9, _plain(c.total_flops() / 1e9),
-                         _plain(1000 * seconds[label]), _times(seconds[label] / seconds[SUITE]),
-                         _plain(1000 * predicted[label]), _times(predicted[label] / predicted[SUITE])])
+    rows = []
+    for done, entry in enumerate(entries):
+        notes = len(CUT)
+        try:
+            rows += measure(entry, ways, device, args, model)
+        except KeyboardInterrupt:  # cut before its rows were complete: the backbone is dropped
+            CUT.append(f"interrupted while measuring {entry}, before its rows were complete (no row of it)")
+        CUT[notes:] = [note if entry in note else f"{entry}: {note}" for note in CUT[notes:]]
+        if CUT:  # the time limit came: write what finished, name what did not
+            if entries[done + 1:]:
+                CUT.append("not measured: " + ", ".join(entries[done + 1:]))
+            break
+    if not rows:
+        raise SystemExit("cap_batches: interrupted before any row was measured; nothing written")
     header = ["backbone", "batching", "second-sign batches (count × r, padded to the first r)", "launches",
               "GB (non-matrix ops)", "GFLOP", f"{device.type} ms", f"× {SUITE}", "H200 ms (predicted)",
               f"× {SUITE} (H200)"]
@@ -158,6 +156,29 @@ def main() -> None:
             f"{model.bytes_per_s / 1e12:.3g} TB/s, {model.flops_per_s['fp32'] / 1e12:.3g} TFLOP/s IEEE float32, "
             f"{model.flops_per_s['tf32'] / 1e12:.3g} TF32).\n\n" + markdown(header, rows))
     write("cap_batches", args, device, "The hard cap's second signs, batched four ways", body)
+    if CUT:
+        raise SystemExit(130)  # the table holds what finished; the exit status says it was cut
+
+
+def measure(entry: str, ways: dict, device: torch.device, args, model: gpu_model.GpuModel) -> list[list]:
+    """The rows of one BACKBONE:SIZE: each batching counted, timed (unless ``--count``; a cut keeps the whole rounds)
+    and priced."""
+    backbone, _, size = entry.partition(":")
+    module, project = projection(backbone, size, device, args.cap_products)
+    counted, described = {}, {}
+    for label, batching in ways.items():
+        seen: list = []
+        with gpu_model.cuda_path(module), batched_as(batching, seen):
+            counted[label] = gpu_model.count(project)
+        described[label] = describe(*seen[-1])
+    timed = {label: (lambda b=batching, p=project: _call(p, b)) for label, batching in ways.items()}
+    seconds = dict.fromkeys(ways, float("nan")) if args.count else \
+        interleaved(timed, device, args.repeats, warmup=1, keep_cut_rounds=True)
+    predicted = {label: model.seconds(c) for label, c in counted.items()}
+    return [[entry, label, described[label], int(c.launches), c.bytes / 1e9, _plain(c.total_flops() / 1e9),
+             _plain(1000 * seconds[label]), _times(seconds[label] / seconds[SUITE]),
+             _plain(1000 * predicted[label]), _times(predicted[label] / predicted[SUITE])]
+            for label, c in counted.items()]
 
 
 def priced_by(replaced: str) -> gpu_model.GpuModel:

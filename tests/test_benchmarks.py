@@ -688,6 +688,37 @@ def test_step_cost_cut_at_its_limit_writes_the_shapes_it_finished(benchmark_modu
     assert "not measured: vit:micro, 64 tokens, fp32" in text
 
 
+@pytest.mark.parametrize("where", ["timing", "building"])
+def test_cap_batches_cut_at_its_limit_writes_the_backbones_it_finished(benchmark_modules, monkeypatch, tmp_path,
+                                                                      where):
+    """Three backbones; the second is cut while it is timed (interleaved keeps its whole rounds and notes the cut) or
+    while it is built (no row of it); the third is never measured; the exit status is 130. Cut in the first, nothing
+    is written."""
+    import cap_batches
+    def measure(entry, ways, *rest):
+        if entry == "swin:micro":
+            if where == "building":
+                raise KeyboardInterrupt
+            benchmark_modules.CUT.append("interrupted after 1 of 3 timed rounds: medians of those 1")
+        return [[entry, way] for way in ways]
+    monkeypatch.setattr(cap_batches, "measure", measure)
+    out = tmp_path / "caps.md"
+    monkeypatch.setattr(sys, "argv", ["cap_batches.py", "--backbones", "vit:micro,swin:micro,cswin:micro", "--out",
+                                      str(out)])
+    assert cut_main(cap_batches.main) == 130
+    text = out.read_text()
+    finished = ["vit:micro", "swin:micro"] if where == "timing" else ["vit:micro"]
+    assert [row[0] for row in table_rows(text)] == [entry for entry in finished for _ in range(4)]
+    notes = {"timing": "swin:micro: interrupted after 1 of 3 timed rounds",
+             "building": "interrupted while measuring swin:micro, before its rows were complete"}
+    assert notes[where] in text and "not measured: cswin:micro" in text
+    out.write_text("an earlier table")
+    benchmark_modules.CUT.clear()
+    monkeypatch.setattr(cap_batches, "measure", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert "nothing written" in str(cut_main(cap_batches.main))
+    assert out.read_text() == "an earlier table"
+
+
 def test_step_cost_writes_nothing_when_cut_before_any_row(benchmark_modules, monkeypatch, tmp_path):
     """An earlier table is not replaced by an empty one."""
     import step_cost
