@@ -423,13 +423,15 @@ def modelled_rows(labels, measured: dict[str, float]) -> list[str]:
     return [label for label in labels if label in measured and label not in NOT_MODELLED]
 
 
-def fit_forms(data: list[StepCounts], seconds: list[float], groups: list[str], names: list[str]) -> tuple[str, dict]:
+def fit_forms(data: list[StepCounts], seconds: list[float], groups: list[str], names: list[str],
+              norm_rows: bool = False) -> tuple[str, dict]:
     """Each form of the model fitted to the rows, with its leave-one-out errors (by ``names``; the rows of one group
     left out together), and the form whose median error is the lower: ``(form, {form: (model, errors, fitted
     precisions, fixed rates, precisions held)})``. A precision's throughput is fitted only where its FLOPs differ
     between rows by ≥ 5% of a step's: otherwise the table cannot tell it from the constant part of every step, and it
     stays at the data sheet's value × 0.6; so does one that the fit drives to the data sheet's peak (the rows would
-    have it faster: they do not determine it)."""
+    have it faster: they do not determine it). ``norm_rows``: each form with a time per norm row as well
+    (``gpu_model.norm_rows``)."""
     total = sum(c.total_flops() for c in data) / len(data)
     used = [p for p in PRECISIONS if max(c.flops.get(p, 0.0) for c in data) - min(c.flops.get(p, 0.0) for c in data)
             >= 0.05 * total]
@@ -438,34 +440,37 @@ def fit_forms(data: list[StepCounts], seconds: list[float], groups: list[str], n
         fitted_here, held = list(used), []
         while True:  # one rate held at a time: the others, refitted, may come off their peaks
             fixed = {f"{p}_flops_per_s": NOMINAL_H200[p] for p in PRECISIONS if p not in fitted_here}
-            model = fit(data, seconds, form, fixed, PEAK_H200)
+            model = fit(data, seconds, form, fixed, PEAK_H200, norm_rows)
             at_peak = [p for p in fitted_here if model.flops_per_s[p] >= 0.999 * PEAK_H200[f"{p}_flops_per_s"]]
             if not at_peak:
                 break
             fitted_here.remove(at_peak[0])
             held.append(at_peak[0])
-        errors = dict(zip(names, leave_one_out(data, seconds, form, fixed, groups, PEAK_H200)))
+        errors = dict(zip(names, leave_one_out(data, seconds, form, fixed, groups, PEAK_H200, norm_rows)))
         results[form] = (model, errors, fitted_here, fixed, held)
     form = min(FORMS, key=lambda f: sorted(abs(e) for e in results[f][1].values())[len(names) // 2])
     return form, results
 
 
-def table_model(counts: dict[str, StepCounts], measured: dict[str, float]) -> GpuModel:
+def table_model(counts: dict[str, StepCounts], measured: dict[str, float], norm_rows: bool = False) -> GpuModel:
     """The model fitted to one GPU table (``measured``, ms by row) and the counts of the code it measured, as
-    :func:`model_rows` fits it: what ``gpu_model.FITTED`` ships for the first H200 table."""
+    :func:`model_rows` fits it: what ``gpu_model.FITTED`` ships for the first H200 table (``norm_rows``: with a time
+    per norm row, which it leaves out)."""
     labels = modelled_rows(counts, measured)
     form, results = fit_forms([counts[label] for label in labels], [measured[label] / 1000 for label in labels],
-                              labels, labels)
+                              labels, labels, norm_rows)
     return results[form][0]
 
 
 def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[str, float],
                as_measured: dict[str, StepCounts] | None = None,
-               also: list[tuple[str, dict[str, StepCounts], dict[str, float]]] = ()) -> tuple[list, str]:
+               also: list[tuple[str, dict[str, StepCounts], dict[str, float]]] = (),
+               norm_rows: bool = False) -> tuple[list, str]:
     """The table of counts, measured and predicted times and ratios, and a paragraph on the fit. The model is fitted
     to ``as_measured`` (the counts of the code the GPU table measured) where given, else to ``counts``; and to the
     rows of each further GPU table in ``also`` (its name, the counts of the code it measured, its times), a
-    stabilizer's rows of every table left out together in the leave-one-out error."""
+    stabilizer's rows of every table left out together in the leave-one-out error. ``norm_rows``: the model prices
+    CUDA's norm kernels by their rows as well (a column of them)."""
     rows_of_fit = labels if as_measured is None else list(as_measured)  # every row the GPU table has counts for
     as_measured = as_measured or counts
     fitted = modelled_rows(rows_of_fit, measured)
@@ -479,10 +484,10 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
             names.append(f"{label} ({name})")
             groups.append(label)
             tables.append(name)
-    form, results = fit_forms(data, seconds, groups, names)
+    form, results = fit_forms(data, seconds, groups, names, norm_rows)
     model, errors, used, fixed, held = results[form]
     reference = {case.label: case.reference for case in CASES}
-    rows = []
+    table = []
     for label in labels:
         c = counts[label]
         predicted = 1000 * model.seconds(c)
@@ -495,9 +500,9 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
         if before is not None and (before.launches, round(before.bytes)) != (c.launches, round(c.bytes)):
             note += (f"; changed since the GPU run (then {before.launches:.0f} launches, {before.bytes / 1e9:.0f} GB: "
                      f"{1000 * model.seconds(before):.0f} ms predicted)")
-        rows.append([label, int(c.launches), c.bytes / 1e9, c.flops["bf16"] / 1e12, c.flops["tf32"] / 1e12,
-                     c.flops["fp32"] / 1e12, measured.get(label, float("nan")), predicted,
-                     measured_ratio, f"{ratio:.2f}×", note])
+        table.append([label, int(c.launches), c.bytes / 1e9, c.flops["bf16"] / 1e12, c.flops["tf32"] / 1e12,
+                      c.flops["fp32"] / 1e12, *([c.norm_rows / 1e6] if norm_rows else []),
+                      measured.get(label, float("nan")), predicted, measured_ratio, f"{ratio:.2f}×", note])
     constants = model.constants()
     median = sorted(abs(e) for e in errors.values())[len(errors) // 2]
     worst = max(errors, key=lambda k: abs(errors[k]))
@@ -507,6 +512,8 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
             + (f"{constants['kernel_s'] * 1e6:.1f} µs per kernel, " if form == "overlap" else "") +
             f"{constants['bytes_per_s'] / 1e12:.2f} TB/s for the non-matrix operators"
             + "".join(f", {p} {constants[f'{p}_flops_per_s'] / 1e12:.0f} TFLOP/s" for p in used)
+            + (f", {model.row_s * 1e9:.2f} ns per norm row (a thread block of CUDA's LayerNorm or RMSNorm kernels)"
+               if norm_rows else "")
             + (f"; {', '.join(f'{p} fixed at {NOMINAL_H200[p] / 1e12:.0f}' for p in PRECISIONS if p not in used)} "
                f"(0.6 × the H200's dense peak: the table does not determine it"
                + "".join(f"; {p} held there, the fit drove it to the peak" for p in held) + ")" if fixed else "")
@@ -521,7 +528,7 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
         theirs = {label: errors[n] for n, label, table in zip(names, groups, tables) if table == name}
         text += (f" The rows of {name}: " + ", ".join(f"{label} {100 * e:+.0f}%" for label, e in theirs.items())
                  + f" (median {100 * sorted(abs(e) for e in theirs.values())[len(theirs) // 2]:.0f}%).")
-    return rows, text
+    return table, text
 
 
 def kept_counts(path: Path) -> dict[str, StepCounts]:
@@ -572,9 +579,10 @@ def count_main(args, precision: str) -> None:
         as_measured = kept_counts(Path(args.fit_counts))
     also = [(Path(table).name, kept_counts(Path(counts_path)), measured_table(Path(table)))
             for counts_path, table in fit_also_pairs(args.fit_also)]
-    rows, text = model_rows([c.label for c in cases], counts, measured, as_measured, also)
+    rows, text = model_rows([c.label for c in cases], counts, measured, as_measured, also, args.norm_rows)
     header = ["stabilizer", "launches", "GB (non-matrix ops)", "bf16 TFLOP", "tf32 TFLOP", "fp32 TFLOP",
-              "H200 ms", "predicted ms", "H200 ratio", "predicted ratio", "leave-one-out error"]
+              *(["norm rows (M)"] if args.norm_rows else []), "H200 ms", "predicted ms", "H200 ratio",
+              "predicted ratio", "leave-one-out error"]
     if args.host:  # timed, not counted: never kept in <out>.json
         header += ["host ms (tiny width)", "launches (tiny width)", "host µs per launch"]
         for case, row_cells in zip(cases, rows):
@@ -622,11 +630,16 @@ def main() -> None:
                                                        "CPU (the host's work a step) and its time per launch")
     p.add_argument("--fit_also", default=None, help="--count: ';'-separated COUNTS_JSON=TABLE pairs, more GPU tables "
                                                     "to fit the model to, each with the counts of the code it measured")
+    p.add_argument("--norm_rows", action="store_true",
+                   help="--count: the model also prices CUDA's norm kernels by their thread blocks, a time per "
+                        "normalised row, fitted with the rest (counts kept before it was counted need --recount)")
     p.add_argument("--fit_counts", default=None, help="--count: fit the model to these counts (a <out>.json of the "
                                                       "code the GPU table measured) and predict the current code's")
     args = p.parse_args()
     for option in ("cases", "compiled", "profile"):  # before the device: a typo fails here, not on the GPU
         case_labels(getattr(args, option), option)
+    if args.norm_rows and not args.count:
+        raise SystemExit("--norm_rows prices --count's counts: give --count too")
     if args.host and not args.count:
         raise SystemExit("--host times the host's work beside --count's counts: give --count too")
     if args.count:

@@ -10,6 +10,7 @@ import torch
 
 from stability.classifier import ImageClassifier
 from stability.nn.precision import ieee_float32
+from stability.testing.fused_rms_norm import counted_as_on_cuda
 from stability.testing.gpu_model import (
     GpuModel,
     KernelCounter,
@@ -20,6 +21,7 @@ from stability.testing.gpu_model import (
     extrapolate,
     fit,
     leave_one_out,
+    norm_rows,
 )
 
 
@@ -150,15 +152,64 @@ def test_depth_and_batch_extrapolate_exactly():
     """Counts made bilinear in depth and batch are recovered anywhere from the four corners."""
     def made(depth, batch):
         return StepCounts(10 + 7 * depth, {"bf16": 3 + 5 * depth * batch + 2 * batch, "tf32": 0.0, "fp32": depth},
-                          11 * batch + 13 * depth * batch, 0.0)
+                          11 * batch + 13 * depth * batch, 0.0, norm_rows=17 * batch + 19 * depth * batch)
 
     corners = {(d, b): made(d, b) for d in (1, 2) for b in (2, 4)}
     far = extrapolate(corners, 12, 256)
     assert far.launches == made(12, 256).launches and far.bytes == made(12, 256).bytes
-    assert far.flops == made(12, 256).flops
+    assert far.flops == made(12, 256).flops and far.norm_rows == made(12, 256).norm_rows
     corners[1, 4] = StepCounts(18, {"bf16": 0.0, "tf32": 0.0, "fp32": 0.0}, 0.0, 0.0)  # one launch more at batch 4
     with pytest.raises(ValueError, match="launches changed with the batch"):
         extrapolate(corners, 12, 256)
+
+
+def test_norm_rows_count_the_blocks_of_cudas_norm_kernels_one_per_normalised_row():
+    """CUDA's LayerNorm and RMSNorm launch a thread block per row of the normalised width, forward and for the input's
+    gradient (not for the weights' alone): the counter counts those rows, whatever the layout of the input (a strided
+    view of a projection, as an attention's q)."""
+    x = torch.randn(2, 3, 5, 8, requires_grad=True)
+    weight, bias = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    both_ways = count(lambda: torch.nn.functional.layer_norm(x, (8,), weight, bias).sum().backward())
+    assert both_ways.norm_rows == 2 * (2 * 3 * 5)
+    over_two = count(lambda: torch.nn.functional.layer_norm(x, (5, 8), weight.new_ones(5, 8)).sum().backward())
+    assert over_two.norm_rows == 2 * (2 * 3)  # a row is the normalised shape, here 5 × 8
+    frozen = x.detach()  # the weights' gradients only: the backward launches no per-row kernel
+    assert count(lambda: torch.nn.functional.layer_norm(frozen, (8,), weight, bias).sum().backward()).norm_rows == 30
+    strided = torch.randn(2, 5, 3, 3, 8).permute(2, 0, 3, 1, 4)[0].requires_grad_()  # q of a (B, N, 3, h, d) qkv
+    assert count(lambda: torch.nn.functional.layer_norm(strided, (8,)).sum().backward()).norm_rows == 2 * 30
+    with counted_as_on_cuda():  # RMSNorm as CUDA's fused kernels (the stand-ins the counted step takes)
+        assert count(lambda: torch.nn.functional.rms_norm(x, (8,), weight).sum().backward()).norm_rows == 60
+    aten = torch.ops.aten  # CUDA's own operators, as a step counted on a GPU meets them
+    rstd = torch.ones(2, 3, 5, 1)
+    assert norm_rows(aten._fused_rms_norm.default, (x, [8], weight, None), {}) == 30
+    assert norm_rows(aten._fused_rms_norm_backward.default, (x, x, [8], rstd, weight, [True, True]), {}) == 30
+    assert norm_rows(aten._fused_rms_norm_backward.default, (x, x, [8], rstd, weight, [False, True]), {}) == 0
+    assert count(lambda: torch.nn.functional.softmax(x, -1)).norm_rows == 0  # CUDA's softmax takes rows by the warp
+
+
+def test_a_fit_with_norm_rows_recovers_their_time_and_refuses_counts_without_them():
+    """Data made with a time per norm row: the fit that prices rows recovers it (and the step times); one that does
+    not leaves errors. Counts kept before rows were counted (NaN) are refused where rows are priced, and priced as
+    before where they are not."""
+    truth = GpuModel(8e-6, 3e12, {"bf16": 3e14, "tf32": 1.5e14, "fp32": 4e13}, "additive", row_s=1e-9)
+    counts = synthetic(truth, seed=5)
+    rng = np.random.default_rng(6)
+    for c in counts:
+        c.norm_rows = float(rng.uniform(1e6, 3e7))
+    seconds = [truth.seconds(c) for c in counts]
+    fixed = {"tf32_flops_per_s": 1.5e14}
+    priced = fit(counts, seconds, "additive", fixed, rows=True)
+    assert priced.row_s == pytest.approx(1e-9, rel=1e-3)
+    assert max(abs(priced.seconds(c) / s - 1) for c, s in zip(counts, seconds)) < 1e-6
+    blind = fit(counts, seconds, "additive", fixed)
+    assert blind.row_s == 0 and max(abs(blind.seconds(c) / s - 1) for c, s in zip(counts, seconds)) > 1e-2
+    assert max(abs(e) for e in leave_one_out(counts, seconds, "additive", fixed, rows=True)) < 1e-4
+    old = StepCounts.from_dict({k: v for k, v in counts[0].to_dict().items() if k != "norm_rows"})
+    assert math.isnan(old.norm_rows) and blind.seconds(old) > 0
+    with pytest.raises(ValueError, match="predate norm_rows"):
+        priced.seconds(old)
+    with pytest.raises(ValueError, match="predate norm_rows"):
+        fit([old, *counts[1:]], seconds, "additive", fixed, rows=True)
 
 
 def test_the_cuda_path_takes_the_gpus_decisions_on_the_cpu():

@@ -10,7 +10,10 @@ autograd, forward, backward and optimizer) gives, deterministically:
   fused attention), by the precision they run in on a GPU: ``bf16`` (bf16 / fp16 inputs), ``tf32`` (float32 with
   TF32 matmuls allowed, as training sets it), ``fp32`` (float32 with TF32 off: the suite's exact blocks);
 * ``bytes`` — what the other operators read and write (their tensors' sizes, inputs and outputs), and the copies
-  CUDA's matrix products make inside themselves (:func:`hidden_copy`; a launch each as well).
+  CUDA's matrix products make inside themselves (:func:`hidden_copy`; a launch each as well);
+* ``norm_rows`` — the thread blocks of CUDA's LayerNorm and RMSNorm kernels, which give every normalised row a block
+  of its own (:func:`norm_rows`): a ViT's residual stream is 257 rows an image, a head-wide norm (QK norm, the cosine
+  attention's) 257 × heads, each of 64 values, most of each block idle.
 
 A gather or an index_select moves its index and what it picks, not its whole input (``READS_WHAT_IT_PICKS``); an
 in-place scatter its index, its source and the elements it writes (``WRITES_WHAT_IT_PICKS``); ``zeros_like`` and its
@@ -121,6 +124,10 @@ class StepCounts:
     syncs: float = 0.0
     ops: Counter = field(default_factory=Counter)
 
+    # CUDA's norm kernels' thread blocks, one a normalised row (:func:`norm_rows`); NaN in counts made before they
+    # were counted (a model that prices them refuses those)
+    norm_rows: float = 0.0
+
     def features(self) -> np.ndarray:
         return np.array([self.launches, self.bytes, *(self.flops.get(p, 0.0) for p in PRECISIONS)], dtype=float)
 
@@ -129,11 +136,13 @@ class StepCounts:
 
     def to_dict(self) -> dict:
         return {"launches": self.launches, "flops": self.flops, "bytes": self.bytes, "syncs": self.syncs,
-                "ops": dict(sorted(self.ops.items()))}  # sorted: a recount diffs by its changes only
+                "norm_rows": self.norm_rows, "ops": dict(sorted(self.ops.items()))}  # sorted: a recount diffs by its
+        # changes only
 
     @classmethod
     def from_dict(cls, data: dict) -> StepCounts:
-        return cls(data["launches"], dict(data["flops"]), data["bytes"], data["syncs"], Counter(data["ops"]))
+        return cls(data["launches"], dict(data["flops"]), data["bytes"], data["syncs"], Counter(data["ops"]),
+                   data.get("norm_rows", math.nan))
 
 
 LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -213,6 +222,33 @@ def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int:
     return _bytes(index, source) + passes * index.numel() * self.element_size()
 
 
+# CUDA's LayerNorm and RMSNorm kernels (aten/src/ATen/native/cuda/layer_norm_kernel.cu, torch 2.x; RMSNorm shares
+# them): the forward and the backward's input gradient launch one thread block of 128 threads per normalised row
+# (``blocks(M)``), whatever the row's width; the weights' gradients are separate kernels over many rows at once
+NORMS_BY_ROW = {"native_layer_norm": "layer_norm", "native_layer_norm_backward": "layer_norm_backward",
+                "_fused_rms_norm": "layer_norm", "_fused_rms_norm_backward": "rms_norm_backward",
+                "fused_rms_norm": "stand_in", "fused_rms_norm_backward": "stand_in_backward"}
+
+
+def norm_rows(func, args: tuple, kwargs: dict) -> int:
+    """The thread blocks a CUDA norm kernel launches, one per normalised row (0 for any other operator, and for a
+    backward that computes no input gradient: CenterNorm's weight gradients through LayerNorm's kernel). Its cost is
+    not its bytes: a head-wide row (64 values) keeps 16 of the block's 128 threads busy, and a ViT-S step at batch 256
+    normalises 394,752 such rows per QK norm, where its residual stream has 65,792."""
+    kind = NORMS_BY_ROW.get(func.overloadpacket.__name__)
+    if kind is None:
+        return 0
+    if kind in ("stand_in", "stand_in_backward"):  # (x, width, …) and (grad, x, rstd, weight, width)
+        x, width = (args[0], args[1]) if kind == "stand_in" else (args[1], args[4])
+        return math.prod(x.shape[: x.dim() - width])
+    x = args[1] if kind != "layer_norm" else args[0]  # a backward's first argument is the incoming gradient
+    shape = args[2] if kind != "layer_norm" else args[1]
+    mask = {"layer_norm_backward": 7, "rms_norm_backward": 5}.get(kind)
+    if mask is not None and len(args) > mask and not args[mask][0]:
+        return 0
+    return x.numel() // max(1, math.prod(shape))
+
+
 def composite_on_cuda(func) -> bool:
     """Whether CUDA runs ``func`` as its parts: a ``COMPOSITE_ON_CUDA`` operator with no CUDA kernel of its own (where
     a later torch gives it one, it is counted as one operator again)."""
@@ -256,6 +292,7 @@ class KernelCounter(TorchDispatchMode):
             counts.bytes += _bytes(out)
         else:
             counts.bytes += _bytes(args, kwargs, out)
+        counts.norm_rows += norm_rows(func, args, kwargs)
         copied = hidden_copy(func, args, kwargs, out)
         if copied:
             counts.launches += 1
@@ -294,7 +331,7 @@ def extrapolate(counts: dict[tuple[int, int], StepCounts], depth: int, batch: in
     ops = Counter({name: round(at(lambda c, n=name: c.ops.get(n, 0))) for name in names})
     launches = counts[d0, b1].launches + (counts[d1, b1].launches - counts[d0, b1].launches) * u  # the larger batch's
     return StepCounts(round(launches), {p: at(lambda c, p=p: c.flops.get(p, 0.0)) for p in PRECISIONS},
-                      at(lambda c: c.bytes), at(lambda c: c.syncs), +ops)
+                      at(lambda c: c.bytes), at(lambda c: c.syncs), +ops, at(lambda c: c.norm_rows))
 
 
 @contextlib.contextmanager
@@ -351,13 +388,14 @@ def cuda_path(module) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------------- the model
 FORMS = ("additive", "overlap")
 CONSTANTS = ("launch_s", "kernel_s", "bytes_per_s", *(f"{p}_flops_per_s" for p in PRECISIONS))
-TIMES = ("launch_s", "kernel_s")  # constants in seconds; the others are rates
+TIMES = ("launch_s", "kernel_s", "row_s")  # constants in seconds (row_s: a fit's with rows=True); the others rates
 
 
 @dataclass
 class GpuModel:
     """Seconds of a step from its counts: host = launches·launch_s (the host's time to issue a kernel); device =
-    launches·kernel_s (a kernel's least time on the device) + bytes/bytes_per_s + Σ_p flops_p/<p>_flops_per_s;
+    launches·kernel_s (a kernel's least time on the device) + bytes/bytes_per_s + Σ_p flops_p/<p>_flops_per_s
+    (+ norm_rows·row_s, where a model prices CUDA's norm kernels by their thread blocks: :func:`norm_rows`);
     ``additive``: host + device (kernel_s folds into launch_s there); ``overlap``: max(host, device)."""
 
     launch_s: float
@@ -365,11 +403,17 @@ class GpuModel:
     flops_per_s: dict[str, float]
     form: str = "overlap"
     kernel_s: float = 0.0
+    row_s: float = 0.0
 
     def seconds(self, counts: StepCounts) -> float:
         host = counts.launches * self.launch_s
         device = counts.launches * self.kernel_s + counts.bytes / self.bytes_per_s + sum(
             counts.flops.get(p, 0.0) / self.flops_per_s[p] for p in PRECISIONS)
+        if self.row_s:
+            if math.isnan(counts.norm_rows):
+                raise ValueError("these counts predate norm_rows (recount them: step_cost.py --recount); a model "
+                                 "with a time per norm row cannot price them")
+            device += counts.norm_rows * self.row_s
         return host + device if self.form == "additive" else max(host, device)
 
     def constants(self) -> dict[str, float]:
@@ -378,9 +422,12 @@ class GpuModel:
 
     @classmethod
     def of(cls, log_constants: np.ndarray, form: str) -> GpuModel:
+        """From the logs of CONSTANTS' values (a rate as its reciprocal), and of ``row_s`` after them where given."""
         values = np.exp(log_constants)
-        return cls(float(values[0]), float(1 / values[2]), {p: float(1 / v) for p, v in zip(PRECISIONS, values[3:])},
-                   form, float(values[1]))
+        rates = values[3:3 + len(PRECISIONS)]
+        row_s = float(values[len(CONSTANTS)]) if len(values) > len(CONSTANTS) else 0.0
+        return cls(float(values[0]), float(1 / values[2]), {p: float(1 / v) for p, v in zip(PRECISIONS, rates)},
+                   form, float(values[1]), row_s)
 
 
 # the H200's dense matrix throughput and memory bandwidth (NVIDIA's data sheet: bf16 989, TF32 495, FP32 67
@@ -392,24 +439,28 @@ NOMINAL_H200 = {p: 0.6 * PEAK_H200[f"{p}_flops_per_s"] for p in PRECISIONS}
 # where the fit starts: an eager PyTorch launch ≈ 10 µs of host time, an H100/H200's HBM ≈ 3 TB/s in practice, its
 # dense bf16 ≈ 400 TFLOP/s, TF32 ≈ 200, IEEE float32 ≈ 50 (achieved, well under the data sheets' peaks)
 START = np.log([1e-5, 3e-6, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
+ROW_START = math.log(1e-9)  # a norm row's time, where a fit prices them: ≈ 2,000 SM-cycles a block over 132 SMs
 
 
 # the model fitted to the H200 table (results/benchmarks/step_cost_cuda_h200.md: ViT-S, 256 tokens, batch 256, bf16,
 # eager, torch 2.11, 2026-11-27) by `python benchmarks/step_cost.py --count` (results/benchmarks/step_model_h200.md:
 # 22 rows, the products' copies counted, logsumexp by its CUDA kernels, scatters and fills by what they write, under
-# CUDA's autocast lists; leave-one-out error median 11%); bf16 and TF32 throughputs at NOMINAL_H200 (the table cannot
-# tell them).
+# CUDA's autocast lists, in-place views as no launch (recounted 2026-12-06); leave-one-out error median 11%); bf16 and
+# TF32 throughputs at NOMINAL_H200 (the table cannot tell them). Norm rows are not priced (row_s 0): two rows of the
+# table set their time (step_model_h200_norm_rows.md).
 # tests/test_benchmarks.py refits it from those counts.
-FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.616e12,
-                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.468e13},
-                           form="overlap", kernel_s=5.302e-6)}
+FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.614e12,
+                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.467e13},
+                           form="overlap", kernel_s=5.271e-6)}
 
 
 def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
-        fixed: dict[str, float] | None = None, ceilings: dict[str, float] | None = None) -> GpuModel:
+        fixed: dict[str, float] | None = None, ceilings: dict[str, float] | None = None,
+        rows: bool = False) -> GpuModel:
     """The constants that minimise the relative error of the predicted step times (least squares in log space over
     the constants; ``fixed`` holds constants the data cannot determine, by name, at their given value; ``ceilings``
-    the most a rate can be, by name: a data sheet's peak, which a fit must not exceed to explain a row)."""
+    the most a rate can be, by name: a data sheet's peak, which a fit must not exceed to explain a row). ``rows``:
+    a time per norm row (``row_s``) fitted too; the counts must have their ``norm_rows``."""
     from scipy.optimize import least_squares
 
     if form not in FORMS:
@@ -421,13 +472,16 @@ def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
                          f"{[n for n in CONSTANTS if n not in TIMES]}")
     if form == "additive":
         fixed["kernel_s"] = 1e-12  # one time per launch: launch_s carries it
-    names = list(CONSTANTS)
+    if rows and any(math.isnan(c.norm_rows) for c in counts):
+        raise ValueError("fit(rows=True): some counts predate norm_rows (recount them: step_cost.py --recount)")
+    names = list(CONSTANTS) + (["row_s"] if rows else [])
     known = {i: math.log(fixed[n] if n in TIMES else 1 / fixed[n]) for i, n in enumerate(names) if n in fixed}
     free = [i for i in range(len(names)) if i not in known]
     measured = np.asarray(seconds, dtype=float)
+    starts = np.append(START, ROW_START) if rows else START
 
     def full(x: np.ndarray) -> np.ndarray:
-        values = START.copy()
+        values = starts.copy()
         values[free] = x
         for i, v in known.items():
             values[i] = v
@@ -439,14 +493,14 @@ def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
 
     # a rate r is held as log(1/r): at most its ceiling means at least log(1/ceiling)
     lower = np.array([math.log(1 / ceilings[names[i]]) if names[i] in (ceilings or {}) else -np.inf for i in free])
-    start = np.maximum(START[free], lower + 1e-9)
+    start = np.maximum(starts[free], lower + 1e-9)
     result = least_squares(residuals, start, method="trf", x_scale=1.0, max_nfev=20000, bounds=(lower, np.inf))
     return GpuModel.of(full(result.x), form)
 
 
 def leave_one_out(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
                   fixed: dict[str, float] | None = None, groups: list | None = None,
-                  ceilings: dict[str, float] | None = None) -> list[float]:
+                  ceilings: dict[str, float] | None = None, rows: bool = False) -> list[float]:
     """For each row, the relative error of its prediction by the model fitted to the other rows; with ``groups``
     (a key per row), to the rows of the other groups: one stabilizer measured in two GPU runs is left out whole, so
     that its twin does not predict it."""
@@ -456,10 +510,10 @@ def leave_one_out(counts: list[StepCounts], seconds: list[float], form: str = "o
     for i, group in enumerate(groups):
         if group not in models:
             rest = [j for j in range(len(counts)) if groups[j] != group]
-            models[group] = fit([counts[j] for j in rest], [seconds[j] for j in rest], form, fixed, ceilings)
+            models[group] = fit([counts[j] for j in rest], [seconds[j] for j in rest], form, fixed, ceilings, rows)
         errors.append(models[group].seconds(counts[i]) / seconds[i] - 1.0)
     return errors
 
 
 __all__ = ["CONSTANTS", "FITTED", "FORMS", "NOMINAL_H200", "PEAK_H200", "GpuModel", "KernelCounter", "StepCounts",
-           "count", "cuda_path", "extrapolate", "fit", "leave_one_out", "matmul_precision", "matrix_flops"]
+           "count", "cuda_path", "extrapolate", "fit", "leave_one_out", "matmul_precision", "matrix_flops", "norm_rows"]
