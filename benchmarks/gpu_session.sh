@@ -17,7 +17,9 @@
 #               reduce-overhead) (1.3 min eager on 2026-11-28)
 #   loop        stability fit against the hand-written loop, eager and captured (0.5 min)
 #   steps       the matrix-product rates the step model prices (bf16, TF32, IEEE float32, 3xTF32: benchmarks/
-#               matmul_rates.py, seconds); every stabilizer's training step, ViT-S at 256 tokens, bf16, eager (1.6 min);
+#               matmul_rates.py, seconds); a ViT-S layer's norms alone (benchmarks/norm_kernels.py: whether CUDA's
+#               norm kernels cost by their rows or their bytes, seconds); every stabilizer's training step, ViT-S at
+#               256 tokens, bf16, eager (1.6 min);
 #               then the baseline, qk_norm and JaSMin eager and compiled (a second command: a cut there keeps the eager
 #               table); last, the hard cap's second signs batched four ways on ViT-S, Swin-T and CSwin-T
 #               (benchmarks/cap_batches.py: whether joining more widths pays on a GPU), IEEE and 3xTF32 products
@@ -89,6 +91,7 @@ part_loop() {
 
 part_steps() {
     run matmul_rates "${LIMIT_MATMUL:-60}" python benchmarks/matmul_rates.py --device cuda --out "$OUT/matmul_rates.md"
+    run norm_kernels "${LIMIT_NORMS:-60}" python benchmarks/norm_kernels.py --device cuda --out "$OUT/norm_kernels.md"
     run steps "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small --tokens 256 \
         --precision bf16 --repeats 3 --out "$OUT/step_cost.md"
     run steps_compiled "${LIMIT_STEPS:-360}" python benchmarks/step_cost.py --device cuda --backbones vit:small \

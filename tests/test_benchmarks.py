@@ -143,6 +143,35 @@ def test_matmul_rates_time_every_precision_at_every_shape(tmp_path):
     assert text.count("tf32x3 takes") == 3 and "cpu has no TF32 units" in text
 
 
+def test_norm_kernels_counts_each_norms_rows_and_prices_them_both_ways(tmp_path):
+    """Each norm of a layer, forward and backward: CUDA's norm kernels counted by their rows (the residual stream's
+    LayerNorm one block a token each way, the QK norm's and the fused cosine norm's a block a head and token for q and
+    for k each way; the spelled-out cosine norm none, in more launches), both models' predictions and the measured
+    time's ratios to them; the CPU's note; ``--calls 0`` refused."""
+    text = run_benchmark("norm_kernels.py", tmp_path / "norms.md")
+    rows = {row[0]: row for row in table_rows(text)}
+    batch, tokens, heads, _ = (2, 17, 2, 8)  # norm_kernels.QUICK_SHAPE
+    tokens_rows, head_rows = batch * tokens, batch * heads * tokens
+    expected = {"residual stream: LayerNorm (float32)": 2 * tokens_rows,
+                "QK norm: LayerNorm of q and k (bf16)": 4 * head_rows,
+                "cosine norm of q and k: fused RMSNorm (bf16)": 4 * head_rows,
+                "cosine norm of q and k: spelled out (bf16)": 0}
+    assert {name: round(float(row[1]) * 1000) for name, row in rows.items()} == expected
+    fused = rows["cosine norm of q and k: fused RMSNorm (bf16)"]
+    spelled = rows["cosine norm of q and k: spelled out (bf16)"]
+    assert int(spelled[2]) > int(fused[2])  # the formula's operators, each a launch
+    for row in rows.values():
+        by_bytes, by_rows, measured = float(row[4]), float(row[5]), float(row[6])
+        assert by_rows >= by_bytes > 0 and measured > 0
+        assert float(row[7]) == pytest.approx(measured / by_bytes, rel=0.02)
+        assert float(row[8]) == pytest.approx(measured / by_rows, rel=0.02)
+    assert "ns; `step_cost.py --count --norm_rows`" in text and "only a GPU's set the row term" in text
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "norm_kernels.py"), "--quick", "--calls", "0",
+                              "--out", str(tmp_path / "none.md")], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode != 0 and "--calls 0: give at least 1" in refused.stderr
+    assert not (tmp_path / "none.md").exists()
+
+
 def test_host_profile_lists_a_steps_operators_and_counts(tmp_path):
     """benchmarks/host_profile.py profiles the training steps it names and writes the table and the per-step counts
     as it goes."""

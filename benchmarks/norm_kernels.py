@@ -1,0 +1,136 @@
+"""The norms a ViT-S layer runs, alone: counted on the GPU's path, priced by the H200 step model with and without a time
+per norm row, and timed — on a GPU, the measurement that tells which of the two prices a norm.
+
+    python benchmarks/norm_kernels.py --device cuda    # seconds on a GPU
+    python benchmarks/norm_kernels.py --quick          # tiny shapes on the CPU (tests)
+
+CUDA's LayerNorm and RMSNorm kernels give each normalised row a thread block of its own, forward and for the input's
+gradient (``gpu_model.norm_rows``). The step model prices a kernel by its bytes; fitted with a time per row as well
+(``step_cost.py --count --norm_rows``), it explains the H200's two QK-norm rows, which it otherwise underestimates by
+13–18%, at 0.7 ns a row — but two rows with the same norms set that constant. Here each norm of one layer at batch 256
+is taken alone, forward and backward, ``--calls`` times back to back (a step's steady state, where the host issues
+ahead of the device): the residual stream's LayerNorm (float32 rows of 384, as autocast runs it), the suite's QK norm
+(a bf16 LayerNorm of q and of k, rows of a head's 64, strided views of the projection), and LipsFormer's cosine
+normalisation of q and k (CUDA's fused RMSNorm, as the suite takes it eagerly on CUDA, and spelled out, as it takes it
+elsewhere). Each row: its norm rows, launches and bytes counted (on the CPU, through the stand-ins of CUDA's fused
+RMSNorm), the time each model predicts, and the time measured.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from common import arguments, interleaved, markdown, setup, write
+from step_cost import H200_TABLE, kept_counts, measured_table, table_model
+from torch import nn
+
+from stability.nn import cosine_attention
+from stability.nn.dot_attention import norm_in_dtype
+from stability.testing.fused_rms_norm import counted_as_on_cuda
+from stability.testing.gpu_model import FITTED, StepCounts, count
+
+FIT_COUNTS = H200_TABLE.parent / "step_model_h200.json"
+# (batch, tokens, heads, head width): ViT-S at 256 tokens and batch 256, as the H200 table; tiny for tests
+SHAPE, QUICK_SHAPE = (256, 257, 6, 64), (2, 17, 2, 8)
+
+
+@contextlib.contextmanager
+def cosine_norm(fused: bool) -> Iterator[None]:
+    """LipsFormer's normalisation as a CUDA device takes it (``fused``: the fused RMSNorm) or as other devices do."""
+    saved = cosine_attention.fused_norm_on
+    cosine_attention.fused_norm_on = lambda device: fused
+    try:
+        yield
+    finally:
+        cosine_attention.fused_norm_on = saved
+
+
+def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device) -> dict[str, Callable[[], None]]:
+    """One forward and backward of each norm on seeded tensors of a layer's shapes; the gradient is a fixed tensor."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    dim = heads * width
+    stream = torch.randn(batch, tokens, dim, generator=generator, device=device, requires_grad=True)
+    qkv = torch.randn(batch, tokens, 3, heads, width, generator=generator, device=device, dtype=torch.bfloat16)
+    qkv.requires_grad_(True)
+    residual_norm, q_norm, k_norm = nn.LayerNorm(dim).to(device), nn.LayerNorm(width).to(device), \
+        nn.LayerNorm(width).to(device)
+    kernel = cosine_attention.ScaledCosineKernel(heads).to(device)
+    stream_grad = torch.randn(stream.shape, generator=generator, device=device)
+    head_grad = torch.randn(batch, heads, tokens, width, generator=generator, device=device, dtype=torch.bfloat16)
+
+    def queries_and_keys():
+        q, k, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's attention: strided views of the projection
+        return q, k
+
+    def residual():
+        torch.autograd.backward(residual_norm(stream), stream_grad)
+
+    def qk_norm():
+        q, k = queries_and_keys()
+        torch.autograd.backward([norm_in_dtype(q_norm, q), norm_in_dtype(k_norm, k)], [head_grad, head_grad])
+
+    def cosine(fused: bool):
+        def run():
+            with cosine_norm(fused):
+                torch.autograd.backward(list(kernel.scaled_queries_and_keys(*queries_and_keys())),
+                                        [head_grad, head_grad])
+        return run
+
+    return {"residual stream: LayerNorm (float32)": residual, "QK norm: LayerNorm of q and k (bf16)": qk_norm,
+            "cosine norm of q and k: fused RMSNorm (bf16)": cosine(True),
+            "cosine norm of q and k: spelled out (bf16)": cosine(False)}
+
+
+def counted(run: Callable[[], None], device: torch.device) -> StepCounts:
+    """One call counted on the GPU's path: on the CPU, RMSNorm through the stand-ins of CUDA's fused kernels."""
+    with counted_as_on_cuda() if device.type == "cpu" else contextlib.nullcontext():
+        return count(run)
+
+
+def repeated(run: Callable[[], None], calls: int) -> Callable[[], None]:
+    def many():
+        for _ in range(calls):
+            run()
+    return many
+
+
+def main() -> None:
+    p = arguments(__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=20, help="forward and backward calls timed back to back per sample")
+    args = p.parse_args()
+    if args.calls < 1:
+        raise SystemExit(f"--calls {args.calls}: give at least 1")
+    device = setup(args)
+    shape, repeats, calls = (QUICK_SHAPE, 2, 2) if args.quick else (SHAPE, args.repeats, args.calls)
+    runs = cases(*shape, device)
+    bytes_only = FITTED["h200"]
+    with_rows = table_model(kept_counts(FIT_COUNTS), measured_table(H200_TABLE), norm_rows=True)
+    counts = {name: counted(run, device) for name, run in runs.items()}
+    seconds = interleaved({name: repeated(run, calls) for name, run in runs.items()}, device, repeats,
+                          keep_cut_rounds=True)
+    rows = []
+    for name, c in counts.items():
+        measured = 1e6 * seconds[name] / calls
+        priced = [1e6 * model.seconds(c) for model in (bytes_only, with_rows)]
+        rows.append([name, c.norm_rows / 1e3, int(c.launches), c.bytes / 1e6, *priced, measured,
+                     measured / priced[0], measured / priced[1]])
+    batch, tokens, heads, width = shape
+    body = (f"One layer's norms at batch {batch}, {tokens} tokens, {heads} heads of {width} (residual rows "
+            f"{batch * tokens:,} × {heads * width}, head rows {batch * heads * tokens:,} × {width}): each forward "
+            f"and backward, {calls} calls back to back a sample, the median of {repeats} interleaved samples, per "
+            f"call. Counted on the GPU's path (on the CPU, CUDA's fused RMSNorm by its stand-ins), priced by the H200 "
+            f"model (`gpu_model.FITTED`: bytes, launches, FLOPs; no time per norm row) and by the same model fitted "
+            f"with a time per norm row ({with_rows.row_s * 1e9:.2f} ns; `step_cost.py --count --norm_rows`). "
+            f"Where the measured time follows the second column and not the first, the rows set a norm's time.\n\n"
+            + markdown(["norm, forward and backward", "norm rows (k)", "launches", "MB (counted)",
+                        "predicted µs (bytes)", "predicted µs (+ rows)", "measured µs", "× bytes' prediction",
+                        "× rows' prediction"], rows)
+            + ("" if device.type == "cuda" else
+               f"\n\nOn {device.type} the times are this machine's (its LayerNorm and RMSNorm are not CUDA's "
+               f"kernels): only a GPU's set the row term."))
+    write("norm_kernels", args, device, "Norm kernels: rows or bytes", body)
+
+
+if __name__ == "__main__":
+    main()
