@@ -220,6 +220,8 @@ def test_the_cuda_path_takes_the_gpus_decisions_on_the_cpu():
         assert module.stabilizers[0].streamed  # JaSMin's auto choice on CUDA
         assert optimizer.defaults.get("fused") or all(g.get("fused") for g in optimizer.param_groups)
     assert not ImageClassifier(image_size=8).build_optimizer().param_groups[0].get("fused")  # restored after
+    module.losses(torch.rand(2, 1, 8, 8), torch.tensor([0, 1]))  # after it, a forward on the CPU takes the CPU's
+    assert not module.stabilizers[0].streamed
 
 
 def synthetic(model: GpuModel, rows: int = 12, seed: int = 0) -> list[StepCounts]:

@@ -383,6 +383,7 @@ def cuda_path(module) -> Iterator[None]:
         (optim.fused_allowed, dot_attention.flex_trains_on, dot_attention.softcapped_attention,
          row_statistics.attention_lse, cosine_attention.fused_norm_on, constraints.split_products_on,
          channel_scale.casting_out_on) = saved
+        module._stabilizers_device = None  # the next forward tells the stabilizers its own device (JaSMin's choice)
 
 
 # ------------------------------------------------------------------------------------------------------- the model
