@@ -197,7 +197,7 @@ def priced_by(replaced: str) -> gpu_model.GpuModel:
     fitted = gpu_model.FITTED["h200"]
     return gpu_model.GpuModel(constants["launch_s"], constants["bytes_per_s"],
                               {p: constants[f"{p}_flops_per_s"] for p in gpu_model.PRECISIONS}, fitted.form,
-                              constants["kernel_s"])
+                              constants["kernel_s"], fitted.row_s)
 
 
 def _plain(value: float) -> str:

@@ -28,7 +28,7 @@ from torch import nn
 from stability.nn import cosine_attention
 from stability.nn.dot_attention import norm_in_dtype
 from stability.testing.fused_rms_norm import counted_as_on_cuda
-from stability.testing.gpu_model import FITTED, StepCounts, count
+from stability.testing.gpu_model import FITTED, GpuModel, StepCounts, count
 
 FIT_COUNTS = H200_TABLE.parent / "step_model_h200.json"
 # (batch, tokens, heads, head width): ViT-S at 256 tokens and batch 256, as the H200 table; tiny for tests
@@ -59,19 +59,29 @@ def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device)
     stream_grad = torch.randn(stream.shape, generator=generator, device=device)
     head_grad = torch.randn(batch, heads, tokens, width, generator=generator, device=device, dtype=torch.bfloat16)
 
+    leaves = [stream, qkv, *residual_norm.parameters(), *q_norm.parameters(), *k_norm.parameters(),
+              *kernel.parameters()]
+
+    def fresh():  # every call as a step's first: no gradient accumulated into an earlier call's (no `add_`)
+        for leaf in leaves:
+            leaf.grad = None
+
     def queries_and_keys():
         q, k, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # timm's attention: strided views of the projection
         return q, k
 
     def residual():
+        fresh()
         torch.autograd.backward(residual_norm(stream), stream_grad)
 
     def qk_norm():
+        fresh()
         q, k = queries_and_keys()
         torch.autograd.backward([norm_in_dtype(q_norm, q), norm_in_dtype(k_norm, k)], [head_grad, head_grad])
 
     def cosine(fused: bool):
         def run():
+            fresh()
             with cosine_norm(fused):
                 torch.autograd.backward(list(kernel.scaled_queries_and_keys(*queries_and_keys())),
                                         [head_grad, head_grad])
@@ -88,6 +98,19 @@ def counted(run: Callable[[], None], device: torch.device) -> StepCounts:
         return count(run)
 
 
+def table_rows(counts: dict[str, StepCounts], seconds: dict[str, float], bytes_only: GpuModel,
+               with_rows: GpuModel) -> list[list]:
+    """Each norm's row: its rows (thousands), launches, MB, the two models' predictions and the measured time (µs a
+    call), and the measured time over each prediction."""
+    rows = []
+    for name, c in counts.items():
+        priced = [1e6 * model.seconds(c) for model in (bytes_only, with_rows)]
+        measured = 1e6 * seconds[name]
+        rows.append([name, c.norm_rows / 1e3, int(c.launches), c.bytes / 1e6, *priced, measured,
+                     measured / priced[0], measured / priced[1]])
+    return rows
+
+
 def repeated(run: Callable[[], None], calls: int) -> Callable[[], None]:
     def many():
         for _ in range(calls):
@@ -98,23 +121,26 @@ def repeated(run: Callable[[], None], calls: int) -> Callable[[], None]:
 def main() -> None:
     p = arguments(__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=20, help="forward and backward calls timed back to back per sample")
+    p.add_argument("--shape", default=",".join(map(str, SHAPE)), help="BATCH,TOKENS,HEADS,HEAD_WIDTH (default "
+                                                                       "ViT-S at 256 tokens, batch 256)")
     args = p.parse_args()
     if args.calls < 1:
         raise SystemExit(f"--calls {args.calls}: give at least 1")
+    try:
+        shape = tuple(int(v) for v in args.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise SystemExit(f"--shape {args.shape!r}: give BATCH,TOKENS,HEADS,HEAD_WIDTH, four positive integers")
     device = setup(args)
-    shape, repeats, calls = (QUICK_SHAPE, 2, 2) if args.quick else (SHAPE, args.repeats, args.calls)
+    shape, repeats, calls = (QUICK_SHAPE, 2, 2) if args.quick else (shape, args.repeats, args.calls)
     runs = cases(*shape, device)
     bytes_only = FITTED["h200"]
     with_rows = table_model(kept_counts(FIT_COUNTS), measured_table(H200_TABLE), norm_rows=True)
     counts = {name: counted(run, device) for name, run in runs.items()}
     seconds = interleaved({name: repeated(run, calls) for name, run in runs.items()}, device, repeats,
                           keep_cut_rounds=True)
-    rows = []
-    for name, c in counts.items():
-        measured = 1e6 * seconds[name] / calls
-        priced = [1e6 * model.seconds(c) for model in (bytes_only, with_rows)]
-        rows.append([name, c.norm_rows / 1e3, int(c.launches), c.bytes / 1e6, *priced, measured,
-                     measured / priced[0], measured / priced[1]])
+    rows = table_rows(counts, {name: value / calls for name, value in seconds.items()}, bytes_only, with_rows)
     batch, tokens, heads, width = shape
     body = (f"One layer's norms at batch {batch}, {tokens} tokens, {heads} heads of {width} (residual rows "
             f"{batch * tokens:,} × {heads * width}, head rows {batch * heads * tokens:,} × {width}): each forward "

@@ -486,6 +486,10 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
             tables.append(name)
     form, results = fit_forms(data, seconds, groups, names, norm_rows)
     model, errors, used, fixed, held = results[form]
+    blind = None
+    if norm_rows:  # beside it, the model without the rows' term, fitted alike (the model of record's form)
+        blind_form, blind_results = fit_forms(data, seconds, groups, names)
+        blind, blind_errors = blind_results[blind_form][:2]
     reference = {case.label: case.reference for case in CASES}
     table = []
     for label in labels:
@@ -493,6 +497,9 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
         predicted = 1000 * model.seconds(c)
         ref = reference.get(label, "none")
         ratio = predicted / (1000 * model.seconds(counts[ref]))
+        without = [] if blind is None else [
+            f"{blind.seconds(c) / blind.seconds(counts[ref]):.2f}×",
+            f"{100 * blind_errors[label]:+.0f}%" if label in blind_errors else ""]
         measured_ratio = (f"{measured[label] / measured[ref]:.2f}×" if label in measured else "—") + \
             ("" if ref == "none" else f" ({ref})")
         note = NOT_MODELLED.get(label, "") if label not in errors else f"{100 * errors[label]:+.0f}%"
@@ -502,7 +509,7 @@ def model_rows(labels: list[str], counts: dict[str, StepCounts], measured: dict[
                      f"{1000 * model.seconds(before):.0f} ms predicted)")
         table.append([label, int(c.launches), c.bytes / 1e9, c.flops["bf16"] / 1e12, c.flops["tf32"] / 1e12,
                       c.flops["fp32"] / 1e12, *([c.norm_rows / 1e6] if norm_rows else []),
-                      measured.get(label, float("nan")), predicted, measured_ratio, f"{ratio:.2f}×", note])
+                      measured.get(label, float("nan")), predicted, measured_ratio, f"{ratio:.2f}×", note, *without])
     constants = model.constants()
     median = sorted(abs(e) for e in errors.values())[len(errors) // 2]
     worst = max(errors, key=lambda k: abs(errors[k]))
@@ -561,10 +568,26 @@ def count_main(args, precision: str) -> None:
     key = f"{backbone}:{size}:{tokens}:{args.batch}:{precision}"
     saved = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     saved = saved if saved.get("key") == key else {"key": key, "counts": {}}
+    measured = measured_table(Path(args.measured))
+    as_measured = None
+    if args.fit_counts:
+        as_measured = kept_counts(Path(args.fit_counts))
+    also = [(Path(table).name, kept_counts(Path(counts_path)), measured_table(Path(table)))
+            for counts_path, table in fit_also_pairs(args.fit_also)]
+    kept = {case.label: StepCounts.from_dict(saved["counts"][case.label]) for case in cases
+            if case.label in saved["counts"] and not args.recount}
+    if args.norm_rows:  # every count must carry its rows: counts kept before they were counted cannot be priced
+        sources = [("--out's cache", kept), ("--fit_counts", as_measured or {}), *((n, c) for n, c, _ in also)]
+        stale = [f"{source} ({label})" for source, by_label in sources for label, c in by_label.items()
+                 if math.isnan(c.norm_rows)]
+        if stale:
+            raise SystemExit(f"--norm_rows: counts kept before norm rows were counted: {', '.join(stale[:4])}"
+                             f"{' …' if len(stale) > 4 else ''}; count them again (--recount; for --fit_counts and "
+                             f"--fit_also, in a checkout of the code the GPU table measured)")
     counts = {}
     for case in cases:
-        if case.label in saved["counts"] and not args.recount:
-            counts[case.label] = StepCounts.from_dict(saved["counts"][case.label])
+        if case.label in kept:
+            counts[case.label] = kept[case.label]
         else:
             counts[case.label] = counted(case, backbone, size, tokens, args.batch, precision)
             saved["counts"][case.label] = counts[case.label].to_dict()
@@ -573,16 +596,11 @@ def count_main(args, precision: str) -> None:
         c = counts[case.label]
         print(f"{case.label}: {c.launches:.0f} launches, {c.bytes / 1e9:.2f} GB, "
               + ", ".join(f"{p} {c.flops[p] / 1e12:.3f} TFLOP" for p in PRECISIONS), flush=True)
-    measured = measured_table(Path(args.measured))
-    as_measured = None
-    if args.fit_counts:
-        as_measured = kept_counts(Path(args.fit_counts))
-    also = [(Path(table).name, kept_counts(Path(counts_path)), measured_table(Path(table)))
-            for counts_path, table in fit_also_pairs(args.fit_also)]
     rows, text = model_rows([c.label for c in cases], counts, measured, as_measured, also, args.norm_rows)
     header = ["stabilizer", "launches", "GB (non-matrix ops)", "bf16 TFLOP", "tf32 TFLOP", "fp32 TFLOP",
               *(["norm rows (M)"] if args.norm_rows else []), "H200 ms", "predicted ms", "H200 ratio",
-              "predicted ratio", "leave-one-out error"]
+              "predicted ratio", "leave-one-out error",
+              *(["predicted ratio without rows", "leave-one-out error without rows"] if args.norm_rows else [])]
     if args.host:  # timed, not counted: never kept in <out>.json
         header += ["host ms (tiny width)", "launches (tiny width)", "host µs per launch"]
         for case, row_cells in zip(cases, rows):

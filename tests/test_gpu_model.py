@@ -187,6 +187,29 @@ def test_norm_rows_count_the_blocks_of_cudas_norm_kernels_one_per_normalised_row
     assert count(lambda: torch.nn.functional.softmax(x, -1)).norm_rows == 0  # CUDA's softmax takes rows by the warp
 
 
+def test_a_norms_copies_of_strided_tensors_are_counted_where_cuda_makes_them():
+    """CUDA's LayerNorm copies a strided input in its forward and again in its backward (kernels inside the
+    operator): a QK norm's q, a strided view of the projection, costs two copies of itself; a contiguous input none.
+    A strided incoming gradient is not counted (its layout is the previous kernel's, which differs between the CPU's
+    flash attention and CUDA's)."""
+    weight, bias = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    strided = torch.randn(2, 5, 3, 3, 8).permute(2, 0, 3, 1, 4)[0].requires_grad_()  # q of a (B, N, 3, h, d) qkv
+    contiguous = strided.detach().contiguous().requires_grad_()
+    gradient = torch.randn(strided.shape)
+
+    def step(x, g):
+        weight.grad = bias.grad = x.grad = None  # no accumulation into an earlier call's gradients
+        return lambda: torch.autograd.backward(torch.nn.functional.layer_norm(x, (8,), weight, bias), g)
+
+    size = 2 * strided.numel() * 4  # a copy reads and writes the tensor once
+    plain, copied = count(step(contiguous, gradient)), count(step(strided, gradient))
+    assert "native_layer_norm's copy" not in plain.ops and "native_layer_norm_backward's copy" not in plain.ops
+    assert copied.ops["native_layer_norm's copy"] == 1 and copied.ops["native_layer_norm_backward's copy"] == 1
+    assert copied.launches == plain.launches + 2 and copied.bytes == plain.bytes + 2 * size
+    both = count(step(strided, gradient.transpose(1, 2).contiguous().transpose(1, 2)))  # a strided gradient too
+    assert both.ops == copied.ops and both.bytes == copied.bytes
+
+
 def test_a_fit_with_norm_rows_recovers_their_time_and_refuses_counts_without_them():
     """Data made with a time per norm row: the fit that prices rows recovers it (and the step times); one that does
     not leaves errors. Counts kept before rows were counted (NaN) are refused where rows are priced, and priced as

@@ -108,8 +108,8 @@ def _autograd_backward(ctx, grad, _grad_rstd):
         # recomputed from x so that the gradient's own gradient flows through them
         rstd = torch.rsqrt(x.to(rstd.dtype).pow(2).mean(_reduced(x, ctx.width), keepdim=True) + ctx.eps)
         grad_x, grad_weight = _backward(grad, x, rstd, weight, ctx.width)
-    else:
-        grad_x = fused_rms_norm_backward(grad, x, rstd, weight, ctx.width)
+    else:  # each kernel where its gradient is asked for (CUDA's output mask)
+        grad_x = fused_rms_norm_backward(grad, x, rstd, weight, ctx.width) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if weight is not None and ctx.needs_input_grad[2]:
             partials = fused_rms_norm_weight_partials(grad, x, rstd, weight, ctx.width)

@@ -10,7 +10,8 @@ autograd, forward, backward and optimizer) gives, deterministically:
   fused attention), by the precision they run in on a GPU: ``bf16`` (bf16 / fp16 inputs), ``tf32`` (float32 with
   TF32 matmuls allowed, as training sets it), ``fp32`` (float32 with TF32 off: the suite's exact blocks);
 * ``bytes`` — what the other operators read and write (their tensors' sizes, inputs and outputs), and the copies
-  CUDA's matrix products make inside themselves (:func:`hidden_copy`; a launch each as well);
+  CUDA's matrix products and norms make inside themselves (:func:`hidden_copy`, :func:`norm_copies`; a launch each
+  as well);
 * ``norm_rows`` — the thread blocks of CUDA's LayerNorm and RMSNorm kernels, which give every normalised row a block
   of its own (:func:`norm_rows`): a ViT's residual stream is 257 rows an image, a head-wide norm (QK norm, the cosine
   attention's) 257 × heads, each of 64 values, most of each block idle.
@@ -174,6 +175,24 @@ def hidden_copy(func, args: tuple, kwargs: dict, out: Any) -> int:
     return _bytes(self, result)
 
 
+# CUDA's LayerNorm (and its fused RMSNorm, which shares that code) copies a strided input before its kernels, in the
+# forward and again, of the saved input, in the backward (``input.expect_contiguous()``): the input's position in
+# each operator's arguments. (Its backward also copies a strided incoming gradient, ``dY.contiguous()``, which is not
+# counted: that gradient's layout is the previous kernel's choice, and the CPU's flash attention writes its query
+# gradient transposed where CUDA's writes it in the query's layout.)
+NORM_COPIED = {"native_layer_norm": (0,), "native_layer_norm_backward": (1,), "_fused_rms_norm": (0,),
+               "_fused_rms_norm_backward": (1,)}
+
+
+def norm_copies(func, args: tuple) -> list[int]:
+    """The bytes (read and written) of each copy a CUDA norm operator makes inside itself of a strided tensor it takes
+    (``NORM_COPIED``), a kernel each that no dispatch mode sees: an attention's q and k are strided views of one
+    projection, which a QK norm hands to LayerNorm as they are."""
+    positions = NORM_COPIED.get(func.overloadpacket.__name__, ())
+    return [2 * _bytes(args[i]) for i in positions
+            if i < len(args) and isinstance(args[i], torch.Tensor) and not args[i].is_contiguous()]
+
+
 def _logsumexp_as_on_cuda(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
     """torch's logsumexp as CUDA runs it, operator by operator (``logsumexp_out_impl``,
     aten/src/ATen/native/ReduceOps.cpp, torch 2.x): six passes over its input where it reaches a dispatch mode as one
@@ -224,7 +243,9 @@ def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int:
 
 # CUDA's LayerNorm and RMSNorm kernels (aten/src/ATen/native/cuda/layer_norm_kernel.cu, torch 2.x; RMSNorm shares
 # them): the forward and the backward's input gradient launch one thread block of 128 threads per normalised row
-# (``blocks(M)``), whatever the row's width; the weights' gradients are separate kernels over many rows at once
+# (``blocks(M)``), whatever the row's width (the vectorised kernels, which the suite's widths and dtypes take; a width
+# not a multiple of 4, or float64, runs two kernels of M blocks forward); the weights' gradients are separate kernels
+# over many rows at once
 NORMS_BY_ROW = {"native_layer_norm": "layer_norm", "native_layer_norm_backward": "layer_norm_backward",
                 "_fused_rms_norm": "layer_norm", "_fused_rms_norm_backward": "rms_norm_backward",
                 "fused_rms_norm": "stand_in", "fused_rms_norm_backward": "stand_in_backward"}
@@ -259,8 +280,9 @@ def composite_on_cuda(func) -> bool:
 
 class KernelCounter(TorchDispatchMode):
     """Counts a step's launches, matrix FLOPs by precision and the other operators' bytes (module docstring), the
-    copies CUDA's matrix products make inside themselves (:func:`hidden_copy`: a launch and its bytes each, counted as
-    ``<operator>'s copy``), and the parts of an operator CUDA runs as several (``COMPOSITE_ON_CUDA``)."""
+    copies CUDA's matrix products and norms make inside themselves (:func:`hidden_copy`, :func:`norm_copies`: a launch
+    and its bytes each, counted as ``<operator>'s copy``), the rows of its norm kernels (:func:`norm_rows`), and the
+    parts of an operator CUDA runs as several (``COMPOSITE_ON_CUDA``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -293,11 +315,11 @@ class KernelCounter(TorchDispatchMode):
         else:
             counts.bytes += _bytes(args, kwargs, out)
         counts.norm_rows += norm_rows(func, args, kwargs)
-        copied = hidden_copy(func, args, kwargs, out)
-        if copied:
-            counts.launches += 1
-            counts.ops[f"{name}'s copy"] += 1
-            counts.bytes += copied
+        for copied in [hidden_copy(func, args, kwargs, out), *norm_copies(func, args)]:
+            if copied:
+                counts.launches += 1
+                counts.ops[f"{name}'s copy"] += 1
+                counts.bytes += copied
         return out
 
 
@@ -440,19 +462,19 @@ NOMINAL_H200 = {p: 0.6 * PEAK_H200[f"{p}_flops_per_s"] for p in PRECISIONS}
 # where the fit starts: an eager PyTorch launch ≈ 10 µs of host time, an H100/H200's HBM ≈ 3 TB/s in practice, its
 # dense bf16 ≈ 400 TFLOP/s, TF32 ≈ 200, IEEE float32 ≈ 50 (achieved, well under the data sheets' peaks)
 START = np.log([1e-5, 3e-6, 1 / 3e12, 1 / 4e14, 1 / 2e14, 1 / 5e13])
-ROW_START = math.log(1e-9)  # a norm row's time, where a fit prices them: ≈ 2,000 SM-cycles a block over 132 SMs
+ROW_START = math.log(1e-9)  # a norm row's time, where a fit prices them: ≈ 260 SM-cycles a block over 132 SMs
 
 
 # the model fitted to the H200 table (results/benchmarks/step_cost_cuda_h200.md: ViT-S, 256 tokens, batch 256, bf16,
 # eager, torch 2.11, 2026-11-27) by `python benchmarks/step_cost.py --count` (results/benchmarks/step_model_h200.md:
 # 22 rows, the products' copies counted, logsumexp by its CUDA kernels, scatters and fills by what they write, under
-# CUDA's autocast lists, in-place views as no launch (recounted 2026-12-06); leave-one-out error median 11%); bf16 and
-# TF32 throughputs at NOMINAL_H200 (the table cannot tell them). Norm rows are not priced (row_s 0): two rows of the
-# table set their time (step_model_h200_norm_rows.md).
+# CUDA's autocast lists, in-place views as no launch and LayerNorm's copies of strided inputs (recounted 2026-12-06);
+# leave-one-out error median 11%); bf16 and TF32 throughputs at NOMINAL_H200 (the table cannot tell them). Norm rows
+# are not priced (row_s 0): two rows of the table set their time (step_model_h200_norm_rows.md).
 # tests/test_benchmarks.py refits it from those counts.
-FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.614e12,
-                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.467e13},
-                           form="overlap", kernel_s=5.271e-6)}
+FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.639e12,
+                           flops_per_s={"bf16": NOMINAL_H200["bf16"], "tf32": NOMINAL_H200["tf32"], "fp32": 1.445e13},
+                           form="overlap", kernel_s=5.492e-6)}
 
 
 def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
@@ -473,6 +495,8 @@ def fit(counts: list[StepCounts], seconds: list[float], form: str = "overlap",
                          f"{[n for n in CONSTANTS if n not in TIMES]}")
     if form == "additive":
         fixed["kernel_s"] = 1e-12  # one time per launch: launch_s carries it
+    if "row_s" in fixed and not rows:
+        raise ValueError("fit: a fixed row_s prices norm rows; give rows=True")
     if rows and any(math.isnan(c.norm_rows) for c in counts):
         raise ValueError("fit(rows=True): some counts predate norm_rows (recount them: step_cost.py --recount)")
     names = list(CONSTANTS) + (["row_s"] if rows else [])
