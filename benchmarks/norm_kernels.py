@@ -6,14 +6,14 @@ per norm row, and timed — on a GPU, the measurement that tells which of the tw
 
 CUDA's LayerNorm and RMSNorm kernels give each normalised row a thread block of its own, forward and for the input's
 gradient (``gpu_model.norm_rows``). The step model prices a kernel by its bytes; fitted with a time per row as well
-(``step_cost.py --count --norm_rows``), it explains the H200's two QK-norm rows, which it otherwise underestimates by
-13–18%, at 0.7 ns a row — but two rows with the same norms set that constant. Here each norm of one layer at batch 256
-is taken alone, forward and backward, ``--calls`` times back to back (a step's steady state, where the host issues
-ahead of the device): the residual stream's LayerNorm (float32 rows of 384, as autocast runs it), the suite's QK norm
-(a bf16 LayerNorm of q and of k, rows of a head's 64, strided views of the projection), and LipsFormer's cosine
-normalisation of q and k (CUDA's fused RMSNorm, as the suite takes it eagerly on CUDA, and spelled out, as it takes it
-elsewhere). Each row: its norm rows, launches and bytes counted (on the CPU, through the stand-ins of CUDA's fused
-RMSNorm), the time each model predicts, and the time measured.
+(``step_cost.py --count --norm_rows``), it predicts the H200's two QK-norm rows within 6%, which it otherwise
+underestimates by 6–14%, at 0.49 ns a row — but two rows with the same norms set that constant. Here each norm of one
+layer at batch 256 is taken alone, forward and backward, ``--calls`` times back to back (a step's steady state, where
+the host issues ahead of the device): the residual stream's LayerNorm (float32 rows of 384, as autocast runs it), the
+suite's QK norm (a bf16 LayerNorm of q and of k, rows of a head's 64, strided views of the projection), and
+LipsFormer's cosine normalisation of q and k (CUDA's fused RMSNorm, as the suite takes it eagerly on CUDA, and spelled
+out, as it takes it elsewhere). Each row: its norm rows, launches and bytes counted (on the CPU, through the stand-ins
+of CUDA's fused RMSNorm), the time each model predicts, and the time measured.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Every benchmark script runs in its quick configuration and writes its table (so they cannot rot)."""
+import json
 import re
 import subprocess
 import sys
@@ -173,6 +174,22 @@ def test_norm_kernels_counts_each_norms_rows_and_prices_them_both_ways(tmp_path)
                                   "--out", str(tmp_path / "none.md")], capture_output=True, text=True, cwd=ROOT)
         assert refused.returncode != 0 and message in refused.stderr
     assert not (tmp_path / "none.md").exists()
+
+
+def test_norm_kernels_counts_each_call_as_a_steps_first(benchmark_modules):
+    """A norm's count does not depend on the calls before it: each call starts without the gradients an earlier one
+    left (which a second backward would add into: an `add_` a parameter)."""
+    from norm_kernels import QUICK_SHAPE, cases, counted
+
+    device = torch.device("cpu")
+    runs = cases(*QUICK_SHAPE, device)
+    alone = {name: counted(run, device) for name, run in cases(*QUICK_SHAPE, device).items()}
+    for run in runs.values():  # every case once, so that each leaves its gradients behind
+        run()
+    for name, run in runs.items():
+        again = counted(run, device)
+        assert (again.launches, again.bytes, dict(again.ops)) == (alone[name].launches, alone[name].bytes,
+                                                                    dict(alone[name].ops)), name
 
 
 def test_norm_kernels_prices_each_row_by_both_models(benchmark_modules):
@@ -1043,7 +1060,7 @@ def test_step_counts_from_one_and_two_blocks_equal_those_from_two_and_three(benc
     assert low.flops == pytest.approx(high.flops, rel=1e-9)
 
 
-def test_a_time_per_norm_row_explains_the_qk_norm_rows_the_model_missed(benchmark_modules, monkeypatch):
+def test_a_time_per_norm_row_explains_the_qk_norm_rows_the_model_missed(benchmark_modules, monkeypatch, tmp_path):
     """The committed counts of the code the H200 measured carry CUDA's norm rows; fitted with a time per row
     (``--norm_rows``), the two QK-norm rows, which share their head-wide norms and differ in bytes, are each predicted
     within 7% by the model fitted to the other rows (without that term: −14% and −6%, 20 points together where they
@@ -1074,10 +1091,14 @@ def test_a_time_per_norm_row_explains_the_qk_norm_rows_the_model_missed(benchmar
         step_cost.main()
     monkeypatch.setattr(step_cost, "counted", lambda *a: pytest.fail("counted before refusing"))
     monkeypatch.setattr(step_cost, "allow_tf32_training", lambda: None)  # no global matmul setting left behind
+    kept = json.loads((results / "step_model_h200.json").read_text())
+    for row in kept["counts"].values():  # counts as kept before norm rows were counted
+        del row["norm_rows"]
+    (tmp_path / "before_rows.json").write_text(json.dumps(kept))
     with pytest.raises(SystemExit, match=r"--norm_rows: counts kept before norm rows were counted: --fit_counts "
-                                         r"\(none\)"):  # the second table's counts carry no rows
+                                         r"\(none\)"):
         monkeypatch.setattr(sys, "argv", ["step_cost.py", "--count", "--norm_rows", "--cases", "none", "--fit_counts",
-                                          str(results / "step_model_h200_071e056.json")])
+                                          str(tmp_path / "before_rows.json")])
         step_cost.main()
 
 

@@ -179,6 +179,9 @@ def test_norm_rows_count_the_blocks_of_cudas_norm_kernels_one_per_normalised_row
     assert count(lambda: torch.nn.functional.layer_norm(strided, (8,)).sum().backward()).norm_rows == 2 * 30
     with counted_as_on_cuda():  # RMSNorm as CUDA's fused kernels (the stand-ins the counted step takes)
         assert count(lambda: torch.nn.functional.rms_norm(x, (8,), weight).sum().backward()).norm_rows == 60
+        weights_only = count(lambda: torch.nn.functional.rms_norm(frozen, (8,), weight).sum().backward())
+    assert weights_only.norm_rows == 30 and "fused_rms_norm_backward" not in weights_only.ops  # no input gradient
+    assert weights_only.ops["fused_rms_norm_weight_partials"] == 1
     aten = torch.ops.aten  # CUDA's own operators, as a step counted on a GPU meets them
     rstd = torch.ones(2, 3, 5, 1)
     assert norm_rows(aten._fused_rms_norm.default, (x, [8], weight, None), {}) == 30
@@ -233,6 +236,8 @@ def test_a_fit_with_norm_rows_recovers_their_time_and_refuses_counts_without_the
         priced.seconds(old)
     with pytest.raises(ValueError, match="predate norm_rows"):
         fit([old, *counts[1:]], seconds, "additive", fixed, rows=True)
+    with pytest.raises(ValueError, match="a fixed row_s prices norm rows; give rows=True"):
+        fit(counts, seconds, "additive", {**fixed, "row_s": 1e-9})
 
 
 def test_the_cuda_path_takes_the_gpus_decisions_on_the_cpu():

@@ -469,7 +469,7 @@ ROW_START = math.log(1e-9)  # a norm row's time, where a fit prices them: ≈ 26
 # eager, torch 2.11, 2026-11-27) by `python benchmarks/step_cost.py --count` (results/benchmarks/step_model_h200.md:
 # 22 rows, the products' copies counted, logsumexp by its CUDA kernels, scatters and fills by what they write, under
 # CUDA's autocast lists, in-place views as no launch and LayerNorm's copies of strided inputs (recounted 2026-12-06);
-# leave-one-out error median 11%); bf16 and TF32 throughputs at NOMINAL_H200 (the table cannot tell them). Norm rows
+# leave-one-out error median 10%); bf16 and TF32 throughputs at NOMINAL_H200 (the table cannot tell them). Norm rows
 # are not priced (row_s 0): two rows of the table set their time (step_model_h200_norm_rows.md).
 # tests/test_benchmarks.py refits it from those counts.
 FITTED = {"h200": GpuModel(launch_s=2.178e-5, bytes_per_s=1.639e12,
