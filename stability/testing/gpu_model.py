@@ -136,9 +136,9 @@ class StepCounts:
         return sum(self.flops.values())
 
     def to_dict(self) -> dict:
+        # the operators sorted: a recount diffs by its changes only
         return {"launches": self.launches, "flops": self.flops, "bytes": self.bytes, "syncs": self.syncs,
-                "norm_rows": self.norm_rows, "ops": dict(sorted(self.ops.items()))}  # sorted: a recount diffs by its
-        # changes only
+                "norm_rows": self.norm_rows, "ops": dict(sorted(self.ops.items()))}
 
     @classmethod
     def from_dict(cls, data: dict) -> StepCounts:
