@@ -175,22 +175,25 @@ def hidden_copy(func, args: tuple, kwargs: dict, out: Any) -> int:
     return _bytes(self, result)
 
 
-# CUDA's LayerNorm (and its fused RMSNorm, which shares that code) copies a strided input before its kernels, in the
-# forward and again, of the saved input, in the backward (``input.expect_contiguous()``): the input's position in
-# each operator's arguments. (Its backward also copies a strided incoming gradient, ``dY.contiguous()``, which is not
-# counted: that gradient's layout is the previous kernel's choice, and the CPU's flash attention writes its query
-# gradient transposed where CUDA's writes it in the query's layout.)
-NORM_COPIED = {"native_layer_norm": (0,), "native_layer_norm_backward": (1,), "_fused_rms_norm": (0,),
-               "_fused_rms_norm_backward": (1,)}
+# CUDA's LayerNorm and its fused RMSNorm (aten/src/ATen/native/cuda/layer_norm_kernel.cu, torch 2.x; RMSNorm shares
+# that code), by operator: the positions of the input, of the normalised shape and of the backward's output mask
+# (None in a forward) among its arguments
+CUDA_NORMS = {"native_layer_norm": (0, 1, None), "native_layer_norm_backward": (1, 2, 7),
+              "_fused_rms_norm": (0, 1, None), "_fused_rms_norm_backward": (1, 2, 5)}
 
 
 def norm_copies(func, args: tuple) -> list[int]:
-    """The bytes (read and written) of each copy a CUDA norm operator makes inside itself of a strided tensor it takes
-    (``NORM_COPIED``), a kernel each that no dispatch mode sees: an attention's q and k are strided views of one
-    projection, which a QK norm hands to LayerNorm as they are."""
-    positions = NORM_COPIED.get(func.overloadpacket.__name__, ())
-    return [2 * _bytes(args[i]) for i in positions
-            if i < len(args) and isinstance(args[i], torch.Tensor) and not args[i].is_contiguous()]
+    """The bytes (read and written) of the copy a CUDA norm operator (``CUDA_NORMS``) makes inside itself of a strided
+    input, in the forward and again, of the saved input, in the backward (``input.expect_contiguous()``), a kernel that
+    no dispatch mode sees: an attention's q and k are strided views of one projection, which a QK norm hands to
+    LayerNorm as they are. (The backward also copies a strided incoming gradient, ``dY.contiguous()``, which is not
+    counted: that gradient's layout is the previous kernel's choice, and the CPU's flash attention writes its query
+    gradient transposed where CUDA's writes it in the query's layout.)"""
+    norm = CUDA_NORMS.get(func.overloadpacket.__name__)
+    if norm is None or len(args) <= norm[0] or not isinstance(args[norm[0]], torch.Tensor):
+        return []
+    x = args[norm[0]]
+    return [] if x.is_contiguous() else [2 * _bytes(x)]
 
 
 def _logsumexp_as_on_cuda(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
@@ -241,33 +244,30 @@ def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int:
     return _bytes(index, source) + passes * index.numel() * self.element_size()
 
 
-# CUDA's LayerNorm and RMSNorm kernels (aten/src/ATen/native/cuda/layer_norm_kernel.cu, torch 2.x; RMSNorm shares
-# them): the forward and the backward's input gradient launch one thread block of 128 threads per normalised row
-# (``blocks(M)``), whatever the row's width (the vectorised kernels, which the suite's widths and dtypes take; a width
-# not a multiple of 4, or float64, runs two kernels of M blocks forward); the weights' gradients are separate kernels
-# over many rows at once
-NORMS_BY_ROW = {"native_layer_norm": "layer_norm", "native_layer_norm_backward": "layer_norm_backward",
-                "_fused_rms_norm": "layer_norm", "_fused_rms_norm_backward": "rms_norm_backward",
-                "fused_rms_norm": "stand_in", "fused_rms_norm_backward": "stand_in_backward"}
+# the stand-ins of CUDA's fused RMSNorm the counted step takes on the CPU (:mod:`.fused_rms_norm`), by operator: the
+# positions of the input and of the normalised width (the number of its last dimensions) among its arguments
+STAND_IN_NORMS = {"fused_rms_norm": (0, 1), "fused_rms_norm_backward": (1, 4)}
 
 
 def norm_rows(func, args: tuple, kwargs: dict) -> int:
-    """The thread blocks a CUDA norm kernel launches, one per normalised row (0 for any other operator, and for a
-    backward that computes no input gradient: CenterNorm's weight gradients through LayerNorm's kernel). Its cost is
-    not its bytes: a head-wide row (64 values) keeps 16 of the block's 128 threads busy, and a ViT-S step at batch 256
-    normalises 394,752 such rows per QK norm, where its residual stream has 65,792."""
-    kind = NORMS_BY_ROW.get(func.overloadpacket.__name__)
-    if kind is None:
+    """The thread blocks a CUDA norm kernel launches: the forward and the backward's input gradient take one block of
+    128 threads per normalised row (``blocks(M)``), whatever the row's width (the vectorised kernels, which the suite's
+    widths and dtypes take; a width not a multiple of 4, or float64, runs two kernels of M blocks forward); the weights'
+    gradients are separate kernels over many rows at once. 0 for any other operator, and for a backward that computes
+    no input gradient (CenterNorm's weight gradients through LayerNorm's kernel). Its cost is not its bytes: a
+    head-wide row (64 values) keeps 16 of the block's 128 threads busy, and a ViT-S step at batch 256 normalises
+    394,752 such rows per QK norm, where its residual stream has 65,792."""
+    name = func.overloadpacket.__name__
+    if name in STAND_IN_NORMS:
+        at, width_at = STAND_IN_NORMS[name]
+        x = args[at]
+        return math.prod(x.shape[: x.dim() - args[width_at]])
+    if name not in CUDA_NORMS:
         return 0
-    if kind in ("stand_in", "stand_in_backward"):  # (x, width, …) and (grad, x, rstd, weight, width)
-        x, width = (args[0], args[1]) if kind == "stand_in" else (args[1], args[4])
-        return math.prod(x.shape[: x.dim() - width])
-    x = args[1] if kind != "layer_norm" else args[0]  # a backward's first argument is the incoming gradient
-    shape = args[2] if kind != "layer_norm" else args[1]
-    mask = {"layer_norm_backward": 7, "rms_norm_backward": 5}.get(kind)
-    if mask is not None and len(args) > mask and not args[mask][0]:
+    at, shape_at, mask_at = CUDA_NORMS[name]
+    if mask_at is not None and len(args) > mask_at and not args[mask_at][0]:
         return 0
-    return x.numel() // max(1, math.prod(shape))
+    return args[at].numel() // max(1, math.prod(args[shape_at]))
 
 
 def composite_on_cuda(func) -> bool:
