@@ -183,7 +183,8 @@ def measure(entry: str, ways: dict, device: torch.device, args, model: gpu_model
 
 def priced_by(replaced: str) -> gpu_model.GpuModel:
     """The H200 model (``gpu_model.FITTED``) with the constants ``replaced`` names (``launch_s=2.4e-5,...``)."""
-    constants = gpu_model.FITTED["h200"].constants()
+    fitted = gpu_model.FITTED["h200"]
+    constants = fitted.constants()
     for item in filter(None, (part.strip() for part in replaced.split(","))):
         name, _, value = item.partition("=")
         if name not in constants:
@@ -194,7 +195,6 @@ def priced_by(replaced: str) -> gpu_model.GpuModel:
             raise SystemExit(f"--model {item!r}: give {name}=<a number>") from None
         if not constants[name] > 0:
             raise SystemExit(f"--model {item!r}: a constant is positive")
-    fitted = gpu_model.FITTED["h200"]
     return gpu_model.GpuModel(constants["launch_s"], constants["bytes_per_s"],
                               {p: constants[f"{p}_flops_per_s"] for p in gpu_model.PRECISIONS}, fitted.form,
                               constants["kernel_s"], fitted.row_s)
