@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-from common import arguments, interleaved, markdown, setup, write
+from common import CUT, arguments, interleaved, markdown, setup, write
 from step_cost import H200_TABLE, kept_counts, measured_table, table_model
 from torch import nn
 
@@ -137,10 +137,20 @@ def main() -> None:
     runs = cases(*shape, device)
     bytes_only = FITTED["h200"]
     with_rows = table_model(kept_counts(FIT_COUNTS), measured_table(H200_TABLE), norm_rows=True)
-    counts = {name: counted(run, device) for name, run in runs.items()}
-    seconds = interleaved({name: repeated(run, calls) for name, run in runs.items()}, device, repeats,
-                          keep_cut_rounds=True)
-    rows = table_rows(counts, {name: value / calls for name, value in seconds.items()}, bytes_only, with_rows)
+    counts: dict[str, StepCounts] = {}
+    seconds = dict.fromkeys(runs, float("nan"))
+    try:  # a cut (the GPU session's time limit) keeps what finished: the counts, and the whole rounds timed
+        for name, run in runs.items():
+            counts[name] = counted(run, device)
+        timed = interleaved({name: repeated(run, calls) for name, run in runs.items()}, device, repeats,
+                            keep_cut_rounds=True)
+        seconds = {name: value / calls for name, value in timed.items()}
+    except KeyboardInterrupt:
+        CUT.append(f"interrupted {'while counting' if len(counts) < len(runs) else 'before a whole round was timed'}"
+                   f": {'counts and predictions only' if counts else 'nothing measured'}")
+    if not counts:
+        raise SystemExit("norm_kernels: interrupted before any norm was counted; nothing written")
+    rows = table_rows(counts, seconds, bytes_only, with_rows)
     batch, tokens, heads, width = shape
     body = (f"One layer's norms at batch {batch}, {tokens} tokens, {heads} heads of {width} (residual rows "
             f"{batch * tokens:,} × {heads * width}, head rows {batch * heads * tokens:,} × {width}): each forward "
@@ -156,6 +166,8 @@ def main() -> None:
                f"\n\nOn {device.type} the times are this machine's (its LayerNorm and RMSNorm are not CUDA's "
                f"kernels): only a GPU's set the row term."))
     write("norm_kernels", args, device, "Norm kernels: rows or bytes", body)
+    if CUT:
+        raise SystemExit(130)  # the table holds what finished; the exit status says it was cut
 
 
 if __name__ == "__main__":

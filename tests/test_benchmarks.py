@@ -192,6 +192,29 @@ def test_norm_kernels_counts_each_call_as_a_steps_first(benchmark_modules):
                                                                     dict(alone[name].ops)), name
 
 
+def test_norm_kernels_cut_at_its_limit_writes_the_counts_it_finished(benchmark_modules, monkeypatch, tmp_path):
+    """Cut before a whole round is timed, the table keeps every norm's counts and both predictions, with no time and
+    the cut noted, and the exit status is 130; cut while counting the first norm, nothing is written."""
+    import norm_kernels
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "norms.md"
+    monkeypatch.setattr(norm_kernels, "interleaved", cut)
+    monkeypatch.setattr(sys, "argv", ["norm_kernels.py", "--quick", "--out", str(out)])
+    assert cut_main(norm_kernels.main) == 130
+    text = out.read_text()
+    rows = table_rows(text)
+    assert len(rows) == 4 and all(float(row[4]) > 0 and row[6] == "—" for row in rows)
+    assert "interrupted before a whole round was timed: counts and predictions only" in text
+    out.write_text("an earlier table")
+    benchmark_modules.CUT.clear()
+    monkeypatch.setattr(norm_kernels, "counted", cut)
+    assert "nothing written" in str(cut_main(norm_kernels.main))
+    assert out.read_text() == "an earlier table"
+
+
 def test_norm_kernels_prices_each_row_by_both_models(benchmark_modules):
     """The table's two predictions are the two models' (the second with its time per norm row), and the ratios the
     measured time's to each: on counts where the device's time decides (at --quick's shapes the host's launches
