@@ -262,6 +262,95 @@ def test_the_streamed_gradient_of_either_statistic_alone_equals_the_materialised
     torch.testing.assert_close(gradient(*row_statistics(q, k, 0.7, 3, block=block)), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("statistics", [row_statistics, row_statistics_recomputed])
+@pytest.mark.parametrize("columns", [(0, 1, 4, 5), (0, 1, 1, 2), (0, 1, 2, 3), (3,)])
+def test_the_top_logits_at_chosen_columns_and_their_gradient_equal_those_of_all(statistics, columns):
+    """``columns`` (JaSMin's g₁ and g_k read four of the k + 1 top logits): the same LSE, the chosen top logits
+    exactly, and the gradient of a loss on them equal (1e-12, float64) to the gradient through all ``count`` top
+    logits with the loss's weights placed in those columns (a repeated column adding its weights; one run of
+    columns returned as a slice, several joined); the same weights placed one column off (a planted error) differ."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 13, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 11, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    on_lse = torch.randn(2, 3, 13, generator=gen, dtype=torch.float64)
+    on_top = torch.randn(2, 3, 13, len(columns), generator=gen, dtype=torch.float64)
+
+    def gradient(weights, chosen=None):  # statistics made afresh each time (a checkpoint's backward runs once)
+        lse, top = statistics(q, k, 0.7, 6, block=5, columns=chosen)
+        loss = (lse * on_lse).sum() + (top * weights).sum()
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, (q, k))])
+
+    def placed(shift=0):  # the chosen columns' weights in a (…, count) tensor, a repeated column's added
+        weights = torch.zeros(2, 3, 13, 6, dtype=torch.float64)
+        for position, column in enumerate(columns):
+            weights[..., min(column + shift, 5)] += on_top[..., position]
+        return weights
+
+    lse_all, top_all = statistics(q, k, 0.7, 6, block=5)
+    lse, top = statistics(q, k, 0.7, 6, block=5, columns=columns)
+    assert top.shape == (2, 3, 13, len(columns))
+    assert torch.equal(lse, lse_all) and torch.equal(top, top_all[..., list(columns)])
+    got = gradient(on_top, columns)
+    torch.testing.assert_close(got, gradient(placed()), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, gradient(placed(shift=1)), rtol=1e-6, atol=1e-6)
+    if statistics is row_statistics:
+        torch.autograd.gradcheck(lambda a, b: statistics(a, b, 0.7, 6, block=5, columns=columns), (q, k))
+
+
+def test_probabilities_at_chosen_columns_past_the_keys_are_zero_and_bad_columns_are_refused():
+    """Positions at M or past it (fewer keys than the top count) are probability 0, as the padded top probabilities
+    are; every position past M: all zeros. Columns out of range, out of order or none are refused, naming them."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 3, 7, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 3, 5, 4, generator=gen, dtype=torch.float64)
+    probs = torch.softmax(0.7 * q @ k.transpose(-1, -2), dim=-1)
+    for recomputed in (False, True):
+        got = top_probabilities_streamed(q, k, 0.7, 11, recomputed=recomputed, columns=(0, 1, 9, 10))
+        assert torch.allclose(got, top_probabilities(probs, 11)[..., [0, 1, 9, 10]], atol=1e-12)
+        assert float(got[..., 2:].abs().max()) == 0 and float(got[..., :2].min()) > 0
+        zeros = top_probabilities_streamed(q, k, 0.7, 11, recomputed=recomputed, columns=(6, 10))
+        assert zeros.shape == (2, 3, 7, 2) and float(zeros.abs().max()) == 0
+    for bad in [(2, 1), (-1,), (6,), ()]:
+        with pytest.raises(ValueError, match=r"columns must be positions 0\.\.5 among the top 6 logits"):
+            row_statistics(q, k.expand(2, 3, 5, 4).repeat(1, 1, 2, 1), 0.7, 6, columns=bad)
+
+
+def test_streamed_jasmin_scatters_only_the_four_top_logits_it_reads():
+    """k = 10 reads the 1st, 2nd, 10th and 11th largest probabilities of each row: the backward scatters those four
+    a row (not all eleven, seven with zero weights), and no gradient of the eleven is assembled from selections.
+    Counted as a GPU step counts them; the statistics of all eleven columns (a planted regression) fail."""
+    from stability.testing.gpu_model import KernelCounter
+
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(2, 17, 3, 2, 8, generator=gen).bfloat16().permute(2, 0, 3, 1, 4)
+    q, k = (x.detach().requires_grad_(True) for x in qkv[:2])
+    jasmin = JaSMin(lam=1.0, k=10)
+
+    class Scatters(KernelCounter):
+        def __init__(self):
+            super().__init__()
+            self.widths = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.scatter_add_:
+                self.widths.append(args[2].shape[-1])
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def counted(loss):
+        with Scatters() as counter:
+            loss().backward()
+        return counter
+
+    def all_eleven():  # the statistics of every top logit, g₁ and g_k selected from them
+        return jasmin.scores_of_top(top_probabilities_streamed(q, k, 0.25, jasmin.top_count)).mean(-1).sum(-1).mean()
+
+    fewer = counted(lambda: jasmin.regulariser_streamed([(q, k, 0.25)], 2))
+    assert fewer.widths == [4] and not fewer.counts.ops.get("select_backward"), fewer.counts.ops
+    everything = counted(all_eleven)
+    assert everything.widths == [11] and everything.counts.launches > fewer.counts.launches
+    assert everything.counts.bytes > fewer.counts.bytes
+
+
 def test_row_statistics_refuse_queries_and_keys_of_other_leading_shapes():
     """Flattened into one batch, q (3, 2, N, d) and k (2, 3, M, d) would pair the wrong rows silently: refused."""
     q, k = torch.randn(3, 2, 5, 4), torch.randn(2, 3, 7, 4)
@@ -393,8 +482,11 @@ def test_the_cuda_branch_runs_on_fake_cuda_tensors(flash, monkeypatch):
             lse, top = row_statistics(q, k, 0.125, 11)
             assert lse.shape == (4, 6, 257) and lse.dtype == torch.float32 and lse.device.type == "cuda"
             assert top.shape == (4, 6, 257, 11) and top.dtype == torch.float32
-    assert len(asked) == 1  # the width of 60 is not asked: SDPA pads it before its flash call
-    assert len(fallbacks) == (1 if flash is True else 2)
+            # JaSMin's four columns (the forward: autograd's engine asks a real device for a backward)
+            lse, top = row_statistics(q, k, 0.125, 11, columns=(0, 1, 9, 10))
+            assert lse.shape == (4, 6, 257) and top.shape == (4, 6, 257, 4) and top.dtype == torch.float32
+    assert len(asked) == 2  # the width of 60 is not asked: SDPA pads it before its flash call
+    assert len(fallbacks) == (2 if flash is True else 4)
     assert any("flash kernel's log-sum-exp is unavailable" in str(w.message) for w in warned) == (flash == "changed")
 
 
@@ -445,7 +537,7 @@ def test_the_flash_kernels_lse_is_float32s_and_a_wrong_scale_is_not():
     assert attention_lse(q.float(), k.float(), 0.125) is None
 
 
-@pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (10, "mean")])
+@pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (2, "max"), (3, "mean"), (10, "mean")])
 def test_streamed_jasmin_equals_the_materialised_loss_and_gradient_on_vit(k, reduction):
     """Same loss and same gradient for every parameter, with the fused attention path kept."""
     torch.manual_seed(0)

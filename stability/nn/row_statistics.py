@@ -16,7 +16,8 @@ logsumexp, composite on CUDA, reads the logits six times). The backward pass has
 The LSE part needs the dense probabilities, but only through P·K and Pᵀ·(ḡ·Q): an attention with the keys as its
 values gives P·K, and the same call's backward with (scale·ḡ·Q) as the output's gradient gives Pᵀ·(scale·ḡ·Q) as the
 values' gradient — one fused attention forward and backward (SDPA), with no N × N matrix in memory. The top part is
-``count`` entries a row, scattered into a block and multiplied. So the attention output itself and JaSMin's
+``count`` entries a row (or only the ``columns`` asked for: JaSMin's g₁ and g_k read four), scattered into a block
+and multiplied. So the attention output itself and JaSMin's
 statistics both keep fused kernels. Tested against the materialised softmax and ``torch.autograd.gradcheck``.
 
 A block holds as many rows as fit in ``BLOCK_BYTES`` of float32 logits (all rows of a ViT-S layer at batch 256 and
@@ -76,6 +77,33 @@ def block_rows(q: torch.Tensor, k: torch.Tensor, budget: int = BLOCK_BYTES) -> i
     return max(1, min(q.shape[-2], budget // per_row))
 
 
+def take_columns(x: torch.Tensor, columns: tuple[int, ...] | None) -> torch.Tensor:
+    """x[..., columns] without an index tensor (made on the host and copied to the device): each run of consecutive
+    columns a slice, the runs joined by one ``cat`` (one run: the slice itself, a view). ``None``: x."""
+    if columns is None:
+        return x
+    runs = [[columns[0], columns[0] + 1]]
+    for column in columns[1:]:
+        if column == runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([column, column + 1])
+    slices = [x[..., start:stop] for start, stop in runs]
+    return slices[0] if len(slices) == 1 else torch.cat(slices, -1)
+
+
+def check_columns(columns, count: int) -> tuple[int, ...] | None:
+    """``columns`` as a tuple of descending positions among the ``count`` top logits, in non-decreasing order (a
+    position may repeat); ``None`` stays ``None`` (all ``count``)."""
+    if columns is None:
+        return None
+    columns = tuple(int(c) for c in columns)
+    if not columns or any(c < 0 or c >= count for c in columns) or list(columns) != sorted(columns):
+        raise ValueError(f"row_statistics: columns must be positions 0..{count - 1} among the top {count} logits, "
+                         f"in non-decreasing order; got {columns}")
+    return columns
+
+
 def flash_shape(q: torch.Tensor) -> bool:
     """Whether CUDA's flash kernel takes queries of q's shape as they are: (B, H, N, d), d a multiple of 8 (SDPA pads
     other widths before its flash call)."""
@@ -105,9 +133,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tenso
 
 class _RowStatistics(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int, low: torch.dtype | None):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int, low: torch.dtype | None,
+                columns: tuple[int, ...] | None):
         """q, k as the caller has them (an attention's bf16 views under mixed precision): cast once to float32 (at
-        least) for the logits, and kept as they are for the attention kernel, in this pass and the backward."""
+        least) for the logits, and kept as they are for the attention kernel, in this pass and the backward.
+        ``columns``: only those of the ``count`` top logits are returned, and only their indices saved (the backward
+        scatters their gradients alone: no zero gradient for the others is made or scattered)."""
         n_rows, n_keys = q.shape[-2], k.shape[-2]
         count = min(count, n_keys)
         wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
@@ -133,6 +164,7 @@ class _RowStatistics(torch.autograd.Function):
         # one block (the usual case): its results are the outputs, with no copy into preallocated ones
         lse, top, index = parts[0] if len(parts) == 1 else (
             torch.cat([lse for lse, _, _ in parts], -1), *(torch.cat(p, -2) for p in list(zip(*parts))[1:]))
+        top, index = take_columns(top, columns), take_columns(index, columns)
         ctx.save_for_backward(q, k, q_wide, k_wide, index)
         ctx.scale, ctx.block, ctx.low = scale, block, low
         ctx.mark_non_differentiable(index)
@@ -181,7 +213,7 @@ class _RowStatistics(torch.autograd.Function):
             grad_q, grad_k = grad_q.to(q.dtype), grad_k.to(k.dtype)
         if grad_q is None:
             grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
-        return grad_q, grad_k, None, None, None, None
+        return grad_q, grad_k, None, None, None, None, None
 
 
 def _lse_top_and_index(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,7 +251,8 @@ def _refuse_empty(q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
-                              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              block: int | None = None,
+                              columns: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_statistics` for a compiled graph: the same LSE and top logits, differentiated by autograd and
     recomputed in the backward a block at a time (activation checkpointing, which torch.compile honours: only q, k
     and the top-k's values and indices are saved, nothing of size N²). Its backward,
@@ -235,18 +268,21 @@ def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, co
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
     count = min(count, k.shape[-2])
+    columns = check_columns(columns, count)
     parts = [checkpoint(_block_statistics, q[..., start:start + block, :], k, float(scale), count,
                         use_reentrant=False, context_fn=_TOP_SAVED) for start in range(0, q.shape[-2], block)]
-    return torch.cat([lse for lse, _ in parts], -1), torch.cat([top for _, top in parts], -2)
+    return torch.cat([lse for lse, _ in parts], -1), take_columns(torch.cat([top for _, top in parts], -2), columns)
 
 
-def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
-                   block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int, block: int | None = None,
+                   columns: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LSE and the ``count`` largest logits (descending) of every row of softmax(scale · q kᵀ).
 
     q: (..., N, d), k: (..., M, d) → lse (..., N), top (..., N, min(count, M)), in float32 at least
     (bf16 / fp16 inputs are promoted, and multiplied with the run's TF32 setting: exact); differentiable in q and k.
-    ``block`` rows are materialised at a time (default: :func:`block_rows`).
+    ``block`` rows are materialised at a time (default: :func:`block_rows`). ``columns``: only the top logits at
+    these descending positions (each below min(count, M), in non-decreasing order), (..., N, len(columns)); the
+    backward then scatters only their gradients.
     """
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) need the same leading dimensions and d; "
@@ -255,19 +291,29 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
     block = block_rows(q, k) if block is None else block
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
+    columns = check_columns(columns, min(count, k.shape[-2]))
     low = q.dtype if products_exact_in_tf32(q, k) else None
-    lse, top, _ = _RowStatistics.apply(q, k, float(scale), int(count), int(block), low)
+    lse, top, _ = _RowStatistics.apply(q, k, float(scale), int(count), int(block), low, columns)
     return lse, top
 
 
 def top_probabilities_streamed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
-                               block: int | None = None, recomputed: bool = False) -> torch.Tensor:
+                               block: int | None = None, recomputed: bool = False,
+                               columns: tuple[int, ...] | None = None) -> torch.Tensor:
     """The ``count`` largest probabilities of each row of softmax(scale · q kᵀ), descending,
     zero-padded past M (as :func:`stability.nn.softmax_bounds.top_probabilities`); ``recomputed``: through
-    :func:`row_statistics_recomputed` (a compiled graph's)."""
+    :func:`row_statistics_recomputed` (a compiled graph's). ``columns``: only the probabilities at these descending
+    positions (below ``count``, in non-decreasing order), those at M or past it zero, (..., N, len(columns)):
+    JaSMin's g₁ and g_k read four of the k + 1 (:attr:`~stability.stabilizers.jasmin.JaSMin.top_columns`)."""
+    columns = check_columns(columns, count)
+    within = None if columns is None else tuple(c for c in columns if c < k.shape[-2])
+    if within == ():  # every position asked for is at M or past it
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+        return q.new_zeros(*q.shape[:-1], len(columns), dtype=dtype)
     statistics = row_statistics_recomputed if recomputed else row_statistics
-    lse, top = statistics(q, k, scale, count, block)
+    lse, top = statistics(q, k, scale, count, block, within)
     probs = (top - lse.unsqueeze(-1)).exp()
-    if probs.shape[-1] < count:
-        probs = torch.nn.functional.pad(probs, (0, count - probs.shape[-1]))
+    width = count if columns is None else len(columns)
+    if probs.shape[-1] < width:  # positions at M or past it (last, the columns being in order): probability 0
+        probs = torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
     return probs

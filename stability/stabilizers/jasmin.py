@@ -127,6 +127,22 @@ class JaSMin(Stabilizer):
         """log g₁ or log(g₁/(g_k+ε)) of every row: (B', H, N, N) → (B', H, N)."""
         return self.scores_of_top(top_probabilities(probs, self.top_count))
 
+    @property
+    def top_columns(self) -> tuple[int, ...]:
+        """The positions among each row's k + 1 largest probabilities that g₁ and g_k read: (1st, 2nd) and, for k > 1,
+        (k-th, (k+1)-th), counted from 0."""
+        return (0, 1) if self.k == 0 else (0, 1, self.k - 1, self.k)
+
+    def scores_of_columns(self, top: torch.Tensor) -> torch.Tensor:
+        """:meth:`scores_of_top` from only the probabilities at :attr:`top_columns` (..., N, 2 or 4): g = x(1 − x + y)
+        of each (x, y) pair, as :func:`~stability.nn.softmax_bounds.g_k_of_top` computes it, both pairs at once."""
+        x, y = top.unflatten(-1, (-1, 2)).unbind(-1)
+        g = x * (1.0 - x + y)  # (..., N, 1 or 2): g₁ (and g_k); unbound, not indexed (one stack in the backward)
+        if self.k == 0:
+            return g.squeeze(-1).clamp_min(self.eps).log()
+        g1, g_k = g.unbind(-1)
+        return (g1.clamp_min(self.eps) / (g_k + self.eps)).log()
+
     def scores_of_top(self, top: torch.Tensor) -> torch.Tensor:
         """log g₁ or log(g₁/(g_k+ε)) from each row's largest probabilities (..., N, k+1) → (..., N)."""
         g1 = g_k_of_top(top, 1).clamp_min(self.eps)
@@ -140,8 +156,12 @@ class JaSMin(Stabilizer):
         that torch.compile traces (:func:`~stability.nn.row_statistics.row_statistics_recomputed`)."""
         total = 0.0
         for q, k, scale in queries_keys:
-            top = top_probabilities_streamed(q, k, scale, self.top_count, recomputed=recomputed)
-            scores = self.scores_of_top(top)  # (B, H, N)
+            if recomputed:  # a compiled graph: Inductor fuses the selections (the columns' cat and unbind would
+                # cost it a kernel or two a layer: benchmarks/compiled_kernels.py)
+                scores = self.scores_of_top(top_probabilities_streamed(q, k, scale, self.top_count, recomputed=True))
+            else:  # eager: only the probabilities g₁ and g_k read (the others' zero gradients not made nor scattered)
+                scores = self.scores_of_columns(top_probabilities_streamed(q, k, scale, self.top_count,
+                                                                           columns=self.top_columns))  # (B, H, N)
             # max(-1)'s backward goes to the saved index; amax's compares the scores with their max again, which a
             # compiled backward recomputes with other rounding: no score equal, a 0/0 gradient (seen on the CPU)
             reduced = scores.max(-1).values if self.reduction == "max" else scores.mean(-1)
