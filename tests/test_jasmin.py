@@ -310,6 +310,10 @@ def test_probabilities_at_chosen_columns_past_the_keys_are_zero_and_bad_columns_
         assert float(got[..., 2:].abs().max()) == 0 and float(got[..., :2].min()) > 0
         zeros = top_probabilities_streamed(q, k, 0.7, 11, recomputed=recomputed, columns=(6, 10))
         assert zeros.shape == (2, 3, 7, 2) and float(zeros.abs().max()) == 0
+        with pytest.raises(ValueError, match="need the same leading dimensions"):  # checked before the zeros, too
+            top_probabilities_streamed(q, k.transpose(0, 1), 0.7, 11, recomputed=recomputed, columns=(6, 10))
+        with pytest.raises(ValueError, match="need N, M and d"):
+            top_probabilities_streamed(q, k[..., :0, :], 0.7, 11, recomputed=recomputed, columns=(6, 10))
     for bad in [(2, 1), (-1,), (6,), ()]:
         with pytest.raises(ValueError, match=r"columns must be positions 0\.\.5 among the top 6 logits"):
             row_statistics(q, k.expand(2, 3, 5, 4).repeat(1, 1, 2, 1), 0.7, 6, columns=bad)
@@ -537,9 +541,11 @@ def test_the_flash_kernels_lse_is_float32s_and_a_wrong_scale_is_not():
     assert attention_lse(q.float(), k.float(), 0.125) is None
 
 
-@pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (2, "max"), (3, "mean"), (10, "mean")])
+@pytest.mark.parametrize("k,reduction", [(0, "mean"), (0, "max"), (2, "max"), (3, "mean"), (10, "mean"),
+                                         (20, "max")])
 def test_streamed_jasmin_equals_the_materialised_loss_and_gradient_on_vit(k, reduction):
-    """Same loss and same gradient for every parameter, with the fused attention path kept."""
+    """Same loss and same gradient for every parameter, with the fused attention path kept (k = 20: fewer keys than
+    k + 1, its k-th and (k+1)-th probabilities zero)."""
     torch.manual_seed(0)
     net = build_backbone("vit", img_size=8, in_chans=1, num_classes=3, embed_dim=16, depth=2, num_heads=2).double()
     images = torch.rand(4, 1, 8, 8, dtype=torch.float64)

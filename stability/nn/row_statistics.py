@@ -250,6 +250,15 @@ def _refuse_empty(q: torch.Tensor, k: torch.Tensor) -> None:
                          f"key); got {tuple(q.shape)} and {tuple(k.shape)}")
 
 
+def _refuse_other_shapes(q: torch.Tensor, k: torch.Tensor) -> None:
+    """q (..., N, d) and k (..., M, d) of other leading dimensions or widths, or empty (:func:`_refuse_empty`), are
+    refused."""
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) need the same leading dimensions and d; "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    _refuse_empty(q, k)
+
+
 def row_statistics_recomputed(q: torch.Tensor, k: torch.Tensor, scale: float, count: int,
                               block: int | None = None,
                               columns: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,10 +293,7 @@ def row_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, count: int, b
     these descending positions (each below min(count, M), in non-decreasing order), (..., N, len(columns)); the
     backward then scatters only their gradients.
     """
-    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"row_statistics: q (..., N, d) and k (..., M, d) need the same leading dimensions and d; "
-                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
-    _refuse_empty(q, k)
+    _refuse_other_shapes(q, k)
     block = block_rows(q, k) if block is None else block
     if count < 1 or block < 1:
         raise ValueError(f"need count >= 1 and block >= 1; got {count}, {block}")
@@ -307,7 +313,8 @@ def top_probabilities_streamed(q: torch.Tensor, k: torch.Tensor, scale: float, c
     JaSMin's g₁ and g_k read four of the k + 1 (:attr:`~stability.stabilizers.jasmin.JaSMin.top_columns`)."""
     columns = check_columns(columns, count)
     within = None if columns is None else tuple(c for c in columns if c < k.shape[-2])
-    if within == ():  # every position asked for is at M or past it
+    if within == ():  # every position asked for is at M or past it: zeros (constants), q and k checked as below
+        _refuse_other_shapes(q, k)
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
         return q.new_zeros(*q.shape[:-1], len(columns), dtype=dtype)
     statistics = row_statistics_recomputed if recomputed else row_statistics
