@@ -157,7 +157,7 @@ class JaSMin(Stabilizer):
         total = 0.0
         for q, k, scale in queries_keys:
             if recomputed:  # a compiled graph: Inductor fuses the selections (the columns' cat and unbind would
-                # cost it a kernel or two a layer: benchmarks/compiled_kernels.py)
+                # cost it four kernels a layer on ViT-S: benchmarks/compiled_kernels.py)
                 scores = self.scores_of_top(top_probabilities_streamed(q, k, scale, self.top_count, recomputed=True))
             else:  # eager: only the probabilities g₁ and g_k read (the others' zero gradients not made nor scattered)
                 scores = self.scores_of_columns(top_probabilities_streamed(q, k, scale, self.top_count,
