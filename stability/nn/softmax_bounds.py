@@ -31,7 +31,11 @@ def g_k_of_top(top: torch.Tensor, k: int) -> torch.Tensor:
     """g_k from the (at least k+1) largest probabilities of each row, descending."""
     if k < 1 or top.shape[-1] < k + 1:
         raise ValueError(f"need k >= 1 and k+1 <= {top.shape[-1]} top probabilities; got k={k}")
-    x_k, x_next = top[..., k - 1], top[..., k]
+    return g_of_pair(top[..., k - 1], top[..., k])
+
+
+def g_of_pair(x_k: torch.Tensor, x_next: torch.Tensor) -> torch.Tensor:
+    """g_k = x₍ₖ₎ · (1 − x₍ₖ₎ + x₍ₖ₊₁₎) from the k-th and (k+1)-th largest probabilities themselves (elementwise)."""
     return x_k * (1.0 - x_k + x_next)
 
 

@@ -25,7 +25,7 @@ import torch
 from ..models import supports_query_key_capture
 from ..nn.precision import autocast_off, float32_math
 from ..nn.row_statistics import products_exact_in_tf32, top_probabilities_streamed
-from ..nn.softmax_bounds import g_k_of_top, top_probabilities
+from ..nn.softmax_bounds import g_k_of_top, g_of_pair, top_probabilities
 from .base import ForwardStep, Stabilizer, register_stabilizer
 
 
@@ -134,21 +134,20 @@ class JaSMin(Stabilizer):
         return (0, 1) if self.k == 0 else (0, 1, self.k - 1, self.k)
 
     def scores_of_columns(self, top: torch.Tensor) -> torch.Tensor:
-        """:meth:`scores_of_top` from only the probabilities at :attr:`top_columns` (..., N, 2 or 4): g = x(1 − x + y)
-        of each (x, y) pair, as :func:`~stability.nn.softmax_bounds.g_k_of_top` computes it, both pairs at once."""
+        """:meth:`scores_of_top` from only the probabilities at :attr:`top_columns` (..., N, 2 or 4): g of each
+        (x, y) pair (:func:`~stability.nn.softmax_bounds.g_of_pair`), both pairs at once."""
         x, y = top.unflatten(-1, (-1, 2)).unbind(-1)
-        g = x * (1.0 - x + y)  # (..., N, 1 or 2): g₁ (and g_k); unbound, not indexed (one stack in the backward)
-        if self.k == 0:
-            return g.squeeze(-1).clamp_min(self.eps).log()
-        g1, g_k = g.unbind(-1)
-        return (g1.clamp_min(self.eps) / (g_k + self.eps)).log()
+        g = g_of_pair(x, y)  # (..., N, 1 or 2): g₁ (and g_k); unbound, not indexed (one stack in the backward)
+        return self._score(g.squeeze(-1)) if self.k == 0 else self._score(*g.unbind(-1))
 
     def scores_of_top(self, top: torch.Tensor) -> torch.Tensor:
         """log g₁ or log(g₁/(g_k+ε)) from each row's largest probabilities (..., N, k+1) → (..., N)."""
-        g1 = g_k_of_top(top, 1).clamp_min(self.eps)
-        if self.k == 0:
-            return g1.log()
-        return (g1 / (g_k_of_top(top, self.k) + self.eps)).log()
+        return self._score(g_k_of_top(top, 1), g_k_of_top(top, self.k) if self.k else None)
+
+    def _score(self, g1: torch.Tensor, g_k: torch.Tensor | None = None) -> torch.Tensor:
+        """log g₁ (k = 0) or log(g₁/(g_k+ε)), g₁ floored at ε."""
+        g1 = g1.clamp_min(self.eps)
+        return g1.log() if g_k is None else (g1 / (g_k + self.eps)).log()
 
     def regulariser_streamed(self, queries_keys: list[tuple], batch_size: int,
                              recomputed: bool = False) -> torch.Tensor:
