@@ -145,14 +145,17 @@ def test_a_compiled_graph_spells_the_cosine_normalisation_out_where_eager_takes_
     assert any("rms_norm" in node for node in planted)
 
 
+@pytest.mark.parametrize("for_fused", [False, True])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tolerance, fused, monkeypatch):
+def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tolerance, fused, for_fused,
+                                                                      monkeypatch):
     """τ · x/√(‖x‖² + ε) and the scaled queries and keys whose product is τ·q̂k̂ᵀ — through RMSNorm with ε/d and the
     scales as its weight (``fused``: CUDA's path, one fused kernel each way) or spelled out (elsewhere) — with their
     gradients in x, k and τ, against autograd through the formula written out in float64 (relative to each tensor's
     largest entry); RMSNorm with ε itself, a √d left on and τ/√d in place of τ/d (planted errors) fail. Rows near the
-    ε-region (‖x‖² ≈ ε) are included, where ε's placement matters most."""
+    ε-region (‖x‖² ≈ ε) are included, where ε's placement matters most. ``for_fused``: as a fused attention kernel
+    takes them, token-major (the same values)."""
     from stability.nn import cosine_attention
 
     monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: fused)
@@ -178,10 +181,11 @@ def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tol
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance * float(b.abs().max()))
 
     def normalized(kernel, t):
-        return kernel.normalize(t, kernel.tau)
+        return kernel.normalize(t, kernel.tau, for_fused=for_fused)
 
     def logits(kernel, q, kk):
-        return kernel.logits(q, kk, None)
+        queries, keys = kernel.scaled_queries_and_keys(q, kk, for_fused=for_fused)
+        return queries @ keys.transpose(-2, -1)
 
     kernel = ScaledCosineKernel(2, tau=7.0, eps=eps).to(dtype)
     want = outputs_and_gradients(ScaledCosineKernel(2, tau=7.0, eps=eps).double(), lambda m, t: m.tau * unit(t),
@@ -195,6 +199,30 @@ def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tol
     for normalize, logit in planted:
         with pytest.raises(AssertionError):
             close(outputs_and_gradients(kernel, normalize, logit), want)
+
+
+@pytest.mark.parametrize("fused_norm", [True, False])
+def test_the_cosine_attention_comes_out_token_major_from_the_fused_kernel(fused_norm, monkeypatch):
+    """q, k and v as KernelAttention makes them (views of the qkv projection): with the fused RMSNorm (CUDA's path)
+    the normalised inputs are token-major, as spelled out (its products take the views' layout), so the fused
+    kernel's output is token-major too and merges into the projection's input as a view; the values and gradients
+    equal the explicit path's (float64)."""
+    from stability.nn import cosine_attention
+
+    monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: fused_norm)
+    kernel = ScaledCosineKernel(3, tau=4.0, nu=0.5).double()
+    gen = torch.Generator().manual_seed(0)
+    projected = torch.randn(2, 9, 3 * 3 * 8, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64)
+    results = []
+    for path in (True, False):
+        qkv = projected.clone().requires_grad_(True)
+        q, k, v = qkv.reshape(2, 9, 3, 3, 8).permute(2, 0, 3, 1, 4)
+        out = kernel(q, k, v, None, nn.Dropout(0.0), path)
+        results.append((out, *torch.autograd.grad(out, [qkv, kernel.tau, kernel.nu], upstream)))
+    assert results[0][0].transpose(1, 2).is_contiguous()
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * float(want.abs().max()))
 
 
 def test_kernel_fused_and_explicit_paths_agree_and_eps_must_be_positive():

@@ -7,6 +7,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from timm.layers import Attention
 from torch import nn
 
@@ -69,6 +70,45 @@ def test_qk_norm_is_timms_qk_norm():
     for fused in (True, False):
         site.module.fused_attn = reference.fused_attn = fused
         assert torch.allclose(site.module(x), reference(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and_gradients(norm, dtype, tolerance):
+    """Before SDPA the QK norms run on the token-major views of q and k (dot_attention.token_major): the attention's
+    output then comes out token-major, so its merge into the projection's (B, N, h·d) input is a view, not a copy.
+    The output and the gradients of the projection's output and of the norms' gains and biases equal those of the
+    norms run head-major (the code before, whose output the merge copies), relative to each tensor's largest entry."""
+    from stability.nn.dot_attention import DotProductKernel, norm_in_dtype
+
+    gen = torch.Generator().manual_seed(0)
+    batch, tokens, heads, width = 2, 9, 3, 8
+    kernel = DotProductKernel(width ** -0.5, norm(width, eps=1e-6), norm(width, eps=1e-6)).to(dtype)
+    with torch.no_grad():
+        for p in kernel.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen, dtype=dtype) + 0.5)
+    projected = torch.randn(batch, tokens, 3 * heads * width, generator=gen, dtype=dtype)
+    upstream = torch.randn(batch, heads, tokens, width, generator=gen, dtype=dtype)
+
+    def attend(head_major: bool):
+        qkv = projected.clone().requires_grad_(True)
+        q, k, v = qkv.reshape(batch, tokens, 3, heads, width).permute(2, 0, 3, 1, 4)  # as KernelAttention makes them
+        if head_major:
+            out = F.scaled_dot_product_attention(norm_in_dtype(kernel.q_norm, q), norm_in_dtype(kernel.k_norm, k), v,
+                                                 scale=kernel.scale)
+        else:
+            out = kernel(q, k, v, None, nn.Dropout(0.0), True)
+        grads = torch.autograd.grad(out, [qkv, *kernel.parameters()], upstream)
+        return out, grads
+
+    (out, grads), (want, want_grads) = attend(False), attend(True)
+    assert out.transpose(1, 2).is_contiguous() and not want.transpose(1, 2).is_contiguous()  # a view, a copy before
+    # the gains' and biases' gradients relative to the largest of them (the key bias's is 0 up to rounding: a shift
+    # of every key moves a row's logits by one constant, which the softmax ignores)
+    largest = max(float(g.abs().max()) for g in want_grads[1:])
+    for got, expected in zip((out.detach(), *grads), (want.detach(), *want_grads)):
+        scale = float(expected.abs().max()) if expected.dim() > 1 else largest
+        torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * scale)
 
 
 def test_qk_norm_rmsnorm_normalises_each_heads_queries_and_keys():

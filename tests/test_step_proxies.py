@@ -56,12 +56,13 @@ def test_the_map_check_sees_an_explicit_attention():
 
 
 # achieved here (targets: qk_norm ≤ 1.05, lipsformer ≤ 1.10 — not met: results/benchmarks/README.md says why)
-SAVED_RATIO = {"qk_norm": 1.12, "lipsformer": 1.20, "z_loss": 1.001, "specformer": 1.01}
+SAVED_RATIO = {"qk_norm": 1.08, "lipsformer": 1.20, "z_loss": 1.001, "specformer": 1.01}
 
 
 @pytest.mark.parametrize("stabilizer", list(SAVED_RATIO))
 def test_bytes_saved_for_backward_against_the_plain_step(stabilizer):
-    """qk_norm adds its normalised queries and keys (new tensors the fused kernel saves: 1.11×; the norms run in bf16,
+    """qk_norm adds its normalised queries and keys (new tensors the fused kernel saves: 1.075×, 1.11× while its
+    attention's output came out head-major and the projection saved a copy of it; the norms run in bf16,
     not in float32 copies); LipsFormer its normalised q, k, v (τ and ν/K ride on (…, 1) factors, not on extra
     copies) and the weighted residuals' branch outputs (for α's gradient): 1.18× (1.24× before); z-loss and
     Specformer, which read only the logits and the weights, nothing."""
@@ -74,7 +75,8 @@ def test_lipsformer_on_cudas_path_saves_its_fused_norms_inputs_and_statistics(mo
     """On CUDA LipsFormer normalises q, k and v by the fused RMSNorm (stood in here:
     stability/testing/fused_rms_norm.py), which saves its input — a contiguous copy of each, in place of the
     projection they were views of, which the spelled-out normalisation saved — and each row's float32 statistic:
-    1.21× the plain step's (1.18× on the CPU's path)."""
+    1.18× the plain step's, as on the CPU's path (1.21× while its attention's output came out head-major and the
+    projection saved a copy of it)."""
     from stability.nn import cosine_attention
     from stability.testing.fused_rms_norm import counted_as_on_cuda
 
@@ -84,13 +86,28 @@ def test_lipsformer_on_cudas_path_saves_its_fused_norms_inputs_and_statistics(mo
         step = step_of("lipsformer")
         ratio = saved_for_backward(step) / plain
         ops = dispatched(step)
-    assert ratio <= 1.22, ratio
+    assert ratio <= 1.19, ratio
     assert ops["fused_rms_norm"] == 3 * VIT["depth"]  # q, k and v of each block, on the fused path
+
+
+def test_the_normalised_attentions_output_merges_into_the_projection_without_a_copy(monkeypatch):
+    """The fused kernel lays out its output as its query (CUDA's flash kernel and the CPU's): qk_norm's and LipsFormer's
+    normalised queries are token-major, so the merge of the heads into the projection's input copies nothing, as in
+    the plain step — LipsFormer's only copies are those its fused RMSNorm takes of q, k and v (CUDA's path); before,
+    each layer copied its attention's output as well."""
+    from stability.nn import cosine_attention
+    from stability.testing.fused_rms_norm import counted_as_on_cuda
+
+    plain = dispatched(step_of("none"))["clone"]
+    assert dispatched(step_of("qk_norm"))["clone"] == plain
+    monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: True)
+    with counted_as_on_cuda():
+        assert dispatched(step_of("lipsformer"))["clone"] == plain + 3 * VIT["depth"]
 
 
 def test_qk_norm_saves_no_more_than_timms_own_qk_norm(monkeypatch):
     """The issue's other measure for qk_norm: within 5% of timm's ``qk_norm=True`` (a LayerNorm on q and k, then
-    SDPA) — ours saves no more than it does (0.996× here)."""
+    SDPA) — ours saves no more than it does (0.964× here; 0.996× while our attention's output came out head-major)."""
     ours = saved_for_backward(step_of("qk_norm"))
     monkeypatch.setitem(globals(), "VIT", dict(VIT, qk_norm=True))
     timms = saved_for_backward(step_of("none"))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dot_attention import token_major
 from .precision import accumulation_dtype, autocast_off
 
 
@@ -68,24 +69,31 @@ class ScaledCosineKernel(nn.Module):
             # copy in the forward and again in the backward; one copy here serves both
             return F.rms_norm(x.contiguous(), (width,), weight, eps=self.eps / width)
 
-    def normalize(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor, scale: torch.Tensor | None = None, for_fused: bool = False) -> torch.Tensor:
         """scale · x/√(‖x‖² + ε), in x's dtype: :meth:`unit` with ``scale``/√d where a fused RMSNorm kernel runs it
-        (:func:`takes_fused_norm`); elsewhere spelled out, ‖x‖² summed in at least float32 and at least x's dtype from
-        x·x (autocast would square x in float32 and keep that copy for the backward), the scale on the (…, 1)
-        factor, not on x."""
+        (:func:`takes_fused_norm`), token-major where the result goes to a fused attention kernel (``for_fused``:
+        :func:`~stability.nn.dot_attention.token_major`, its output then merges into the projection's input without
+        a copy); elsewhere spelled out, ‖x‖² summed in at least float32 and at least x's dtype from x·x (autocast would
+        square x in float32 and keep that copy for the backward), the scale on the (…, 1) factor, not on x (its
+        output takes x's layout: token-major for the projection's views)."""
         if takes_fused_norm(x):
             factor = 1.0 / math.sqrt(x.shape[-1])
-            return self.unit(x, x.new_full((), factor) if scale is None else scale * factor)
+            weight = x.new_full((), factor) if scale is None else scale * factor
+            return token_major(lambda t: self.unit(t, weight), x) if for_fused else self.unit(x, weight)
         factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=accumulation_dtype(x.dtype)) + self.eps)
         if scale is not None:
             factor = factor * scale
         return x * factor.to(x.dtype)
 
-    def scaled_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scaled_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor,
+                                for_fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries and keys whose product is τ·q̂k̂ᵀ: with a fused RMSNorm (τ/d · unit(q), unit(k)), both 1/√d
-        factors and τ riding on the queries' norm; else (τ·q̂, k̂)."""
+        factors and τ riding on the queries' norm, token-major for a fused attention kernel (``for_fused``, as in
+        :meth:`normalize`); else (τ·q̂, k̂)."""
         if takes_fused_norm(q):
-            return self.unit(q, self.tau / q.shape[-1]), self.unit(k)
+            def layout(norm, x):
+                return token_major(norm, x) if for_fused else norm(x)
+            return (layout(lambda t: self.unit(t, self.tau / q.shape[-1]), q), layout(self.unit, k))
         return self.normalize(q, self.tau), self.normalize(k)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,9 +106,9 @@ class ScaledCosineKernel(nn.Module):
         # ν/K is folded into the values (attention is linear in them) and τ into the queries: each scale multiplies a
         # number, so the fused kernel gets its three inputs and nothing else is kept for the backward
         out_scale = self.nu * self.head_factor
-        v = self.normalize(v, out_scale) if self.normalize_v else v * out_scale.to(v.dtype)
+        v = self.normalize(v, out_scale, for_fused=fused) if self.normalize_v else v * out_scale.to(v.dtype)
         if fused:
-            queries, keys = self.scaled_queries_and_keys(q, k)
+            queries, keys = self.scaled_queries_and_keys(q, k, for_fused=True)
             return F.scaled_dot_product_attention(queries, keys, v, attn_mask=bias, scale=1.0,
                                                   dropout_p=attn_drop.p if self.training else 0.0)
         return attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
