@@ -10,10 +10,11 @@ gradient (``gpu_model.norm_rows``). The step model prices a kernel by its bytes;
 underestimates by 6–14%, at 0.49 ns a row — but two rows with the same norms set that constant. Here each norm of one
 layer at batch 256 is taken alone, forward and backward, ``--calls`` times back to back (a step's steady state, where
 the host issues ahead of the device): the residual stream's LayerNorm (float32 rows of 384, as autocast runs it), the
-suite's QK norm (a bf16 LayerNorm of q and of k, rows of a head's 64, strided views of the projection), and
-LipsFormer's cosine normalisation of q and k (CUDA's fused RMSNorm, as the suite takes it eagerly on CUDA, and spelled
-out, as it takes it elsewhere). Each row: its norm rows, launches and bytes counted (on the CPU, through the stand-ins
-of CUDA's fused RMSNorm), the time each model predicts, and the time measured.
+suite's QK norm (a bf16 LayerNorm of q and of k, rows of a head's 64, strided views of the projection, normalised
+token-major as before a fused attention kernel), and LipsFormer's cosine normalisation of q and k (CUDA's fused
+RMSNorm, as the suite takes it eagerly on CUDA, and spelled out, as it takes it elsewhere). Each row: its norm rows,
+launches and bytes counted (on the CPU, through the stand-ins of CUDA's fused RMSNorm), the time each model predicts,
+and the time measured.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from step_cost import H200_TABLE, kept_counts, measured_table, table_model
 from torch import nn
 
 from stability.nn import cosine_attention
-from stability.nn.dot_attention import norm_in_dtype
+from stability.nn.dot_attention import norm_for_fused_attention
 from stability.testing.fused_rms_norm import counted_as_on_cuda
 from stability.testing.gpu_model import FITTED, GpuModel, StepCounts, count
 
@@ -57,7 +58,9 @@ def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device)
         nn.LayerNorm(width).to(device)
     kernel = cosine_attention.ScaledCosineKernel(heads).to(device)
     stream_grad = torch.randn(stream.shape, generator=generator, device=device)
-    head_grad = torch.randn(batch, heads, tokens, width, generator=generator, device=device, dtype=torch.bfloat16)
+    # token-major, as the fused attention kernel writes the gradient of the token-major queries the norms give it
+    head_grad = torch.randn(batch, tokens, heads, width, generator=generator, device=device,
+                            dtype=torch.bfloat16).transpose(1, 2)
 
     leaves = [stream, qkv, *residual_norm.parameters(), *q_norm.parameters(), *k_norm.parameters(),
               *kernel.parameters()]
@@ -77,13 +80,14 @@ def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device)
     def qk_norm():
         fresh()
         q, k = queries_and_keys()
-        torch.autograd.backward([norm_in_dtype(q_norm, q), norm_in_dtype(k_norm, k)], [head_grad, head_grad])
+        torch.autograd.backward([norm_for_fused_attention(q_norm, q, True), norm_for_fused_attention(k_norm, k, True)],
+                                [head_grad, head_grad])
 
     def cosine(fused: bool):
         def run():
             fresh()
             with cosine_norm(fused):
-                torch.autograd.backward(list(kernel.scaled_queries_and_keys(*queries_and_keys())),
+                torch.autograd.backward(list(kernel.scaled_queries_and_keys(*queries_and_keys(), for_fused=True)),
                                         [head_grad, head_grad])
         return run
 

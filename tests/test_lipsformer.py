@@ -145,8 +145,7 @@ def test_a_compiled_graph_spells_the_cosine_normalisation_out_where_eager_takes_
     assert any("rms_norm" in node for node in planted)
 
 
-@pytest.mark.parametrize("for_fused", [False, True])
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused, for_fused", [(True, False), (True, True), (False, False)])  # spelled out: one layout
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tolerance, fused, for_fused,
                                                                       monkeypatch):
@@ -204,12 +203,15 @@ def test_the_cosine_normalisation_and_its_gradients_equal_the_formula(dtype, tol
 @pytest.mark.parametrize("fused_norm", [True, False])
 def test_the_cosine_attention_comes_out_token_major_from_the_fused_kernel(fused_norm, monkeypatch):
     """q, k and v as KernelAttention makes them (views of the qkv projection): with the fused RMSNorm (CUDA's path)
-    the normalised inputs are token-major, as spelled out (its products take the views' layout), so the fused
+    the normalised q, k and v are token-major, as spelled out (its products take the views' layout), so the fused
     kernel's output is token-major too and merges into the projection's input as a view; the values and gradients
     equal the explicit path's (float64)."""
     from stability.nn import cosine_attention
 
     monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: fused_norm)
+    received = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, _sdpa=F.scaled_dot_product_attention,
+                        **kwargs: received.append((q, k, v)) or _sdpa(q, k, v, **kwargs))
     kernel = ScaledCosineKernel(3, tau=4.0, nu=0.5).double()
     gen = torch.Generator().manual_seed(0)
     projected = torch.randn(2, 9, 3 * 3 * 8, generator=gen, dtype=torch.float64)
@@ -220,9 +222,10 @@ def test_the_cosine_attention_comes_out_token_major_from_the_fused_kernel(fused_
         q, k, v = qkv.reshape(2, 9, 3, 3, 8).permute(2, 0, 3, 1, 4)
         out = kernel(q, k, v, None, nn.Dropout(0.0), path)
         results.append((out, *torch.autograd.grad(out, [qkv, kernel.tau, kernel.nu], upstream)))
+    assert all(t.transpose(1, 2).is_contiguous() for t in received[0])  # SDPA's q, k and v, token-major
     assert results[0][0].transpose(1, 2).is_contiguous()
     for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * float(want.abs().max()))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * float(want.detach().abs().max()))
 
 
 def test_kernel_fused_and_explicit_paths_agree_and_eps_must_be_positive():

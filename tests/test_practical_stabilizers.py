@@ -74,11 +74,13 @@ def test_qk_norm_is_timms_qk_norm():
 
 @pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and_gradients(norm, dtype, tolerance):
-    """Before SDPA the QK norms run on the token-major views of q and k (dot_attention.token_major): the attention's
-    output then comes out token-major, so its merge into the projection's (B, N, h·d) input is a view, not a copy.
-    The output and the gradients of the projection's output and of the norms' gains and biases equal those of the
-    norms run head-major (the code before, whose output the merge copies), relative to each tensor's largest entry."""
+def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and_gradients(norm, dtype, tolerance,
+                                                                                         monkeypatch):
+    """Before SDPA the QK norms run on the token-major views of q and k (dot_attention.token_major): SDPA gets
+    token-major queries and keys, and the attention's output comes out token-major, so its merge into the
+    projection's (B, N, h·d) input is a view, not a copy. The output and the gradients of the projection's output and
+    of the norms' gains and biases equal those of the norms run head-major (the code before, whose output the merge
+    copies), relative to each tensor's largest entry."""
     from stability.nn.dot_attention import DotProductKernel, norm_in_dtype
 
     gen = torch.Generator().manual_seed(0)
@@ -101,7 +103,11 @@ def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and
         grads = torch.autograd.grad(out, [qkv, *kernel.parameters()], upstream)
         return out, grads
 
+    received = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, _sdpa=F.scaled_dot_product_attention,
+                        **kwargs: received.append((q, k)) or _sdpa(q, k, v, **kwargs))
     (out, grads), (want, want_grads) = attend(False), attend(True)
+    assert all(t.transpose(1, 2).is_contiguous() for t in received[0])  # the normalised q and k, token-major
     assert out.transpose(1, 2).is_contiguous() and not want.transpose(1, 2).is_contiguous()  # a view, a copy before
     # the gains' and biases' gradients relative to the largest of them (the key bias's is 0 up to rounding: a shift
     # of every key moves a row's logits by one constant, which the softmax ignores)
@@ -109,6 +115,27 @@ def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and
     for got, expected in zip((out.detach(), *grads), (want.detach(), *want_grads)):
         scale = float(expected.abs().max()) if expected.dim() > 1 else largest
         torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * scale)
+
+
+def test_the_qk_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(monkeypatch):
+    """Where SDPA runs its math fallback (attention dropout on the CPU; float64 on CUDA), which copies token-major
+    queries and keys and writes its output head-major anyway, the norms run head-major, as before: the rule
+    (dot_attention.keeps_query_layout), and a training kernel with dropout on the CPU handing SDPA head-major q."""
+    from stability.nn.dot_attention import DotProductKernel, keeps_query_layout
+
+    cpu, meta = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8, device="meta")  # meta: as a GPU's tensor
+    assert keeps_query_layout(cpu, 0.0) and not keeps_query_layout(cpu, 0.1)
+    assert keeps_query_layout(meta.bfloat16(), 0.1) and keeps_query_layout(meta, 0.0)
+    assert not keeps_query_layout(meta.double(), 0.0)
+    kernel = DotProductKernel(8 ** -0.5, nn.LayerNorm(8), nn.LayerNorm(8)).train()
+    q, k, v = torch.randn(2, 9, 3, 3, 8).permute(2, 0, 3, 1, 4)  # views of a qkv projection, as KernelAttention's
+    received = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, _sdpa=F.scaled_dot_product_attention,
+                        **kwargs: received.append(q) or _sdpa(q, k, v, **kwargs))
+    kernel(q, k, v, None, nn.Dropout(0.1), True)
+    kernel(q, k, v, None, nn.Dropout(0.0), True)
+    with_dropout, without = received
+    assert with_dropout.is_contiguous() and without.transpose(1, 2).is_contiguous()
 
 
 def test_qk_norm_rmsnorm_normalises_each_heads_queries_and_keys():

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dot_attention import token_major
+from .dot_attention import keeps_query_layout, token_major
 from .precision import accumulation_dtype, autocast_off
 
 
@@ -106,11 +106,12 @@ class ScaledCosineKernel(nn.Module):
         # ν/K is folded into the values (attention is linear in them) and τ into the queries: each scale multiplies a
         # number, so the fused kernel gets its three inputs and nothing else is kept for the backward
         out_scale = self.nu * self.head_factor
-        v = self.normalize(v, out_scale, for_fused=fused) if self.normalize_v else v * out_scale.to(v.dtype)
+        dropout_p = attn_drop.p if self.training else 0.0
+        layout = fused and keeps_query_layout(q, dropout_p)
+        v = self.normalize(v, out_scale, for_fused=layout) if self.normalize_v else v * out_scale.to(v.dtype)
         if fused:
-            queries, keys = self.scaled_queries_and_keys(q, k, for_fused=True)
-            return F.scaled_dot_product_attention(queries, keys, v, attn_mask=bias, scale=1.0,
-                                                  dropout_p=attn_drop.p if self.training else 0.0)
+            queries, keys = self.scaled_queries_and_keys(q, k, for_fused=layout)
+            return F.scaled_dot_product_attention(queries, keys, v, attn_mask=bias, scale=1.0, dropout_p=dropout_p)
         return attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
 
 

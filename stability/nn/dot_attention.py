@@ -18,7 +18,8 @@ Under autocast the QK norms run in the queries' own (bf16) dtype, their statisti
 kernel (:func:`norm_in_dtype`): autocast would run LayerNorm in float32, saving a float32 copy of q and k for the
 backward and casting the result back to bf16 for the attention kernel — 1.14× a plain step's saved bytes, where
 the bf16 norm adds only its normalised q and k. Before a fused kernel they normalise the queries and keys
-token-major (:func:`token_major`), so that the kernel's output merges into the projection's input without a copy.
+token-major (:func:`token_major`), so that the kernel's output merges into the projection's input without a copy
+(not where SDPA falls back to its math path: :func:`keeps_query_layout`).
 """
 from __future__ import annotations
 
@@ -46,20 +47,31 @@ def norm_in_dtype(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def token_major(norm, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for per-head x of shape (…, h, N, d) and a ``norm`` over the last dimension, computed on x's
     token-major view (…, N, h, d) and returned as the (…, h, N, d) view of its result. The same values; the result laid
-    out as the fused attention kernels want it: they allocate their output in the query's layout (``empty_like``: CUDA's
-    flash kernel, and the CPU's), and their query gradient too (CUDA's), so a query normalised head-major would make
-    the attention's output head-major, and its merge into the projection's (…, N, h·d) input a copy of the output, a
-    kernel forward each step; token-major, that merge is a view, and the norm's backward reads the query gradient as it
-    is. The strided view of the qkv projection costs the norm no more in this layout than in the other (its kernel
-    copies a strided input into one contiguous in the shape it is given, either way)."""
+    out as SDPA's flash kernels want it: they allocate their output in the query's layout (``empty_like``: CUDA's flash
+    kernel, its cuDNN kernel, the CPU's flash kernel), and CUDA's flash kernel its query gradient too, so a query
+    normalised head-major makes the attention's output head-major, and its merge into the projection's (…, N, h·d)
+    input a copy of the output, a kernel forward each step; token-major, that merge is a view, and the norm's backward
+    reads the query gradient as it is. (CUDA's memory-efficient kernel, which float32 and Swin's masked attention can
+    take, writes its output token-major whatever the query's layout.) The strided view of the qkv projection costs the
+    norm no more in this layout than in the other (its kernel copies a strided input into one contiguous in the shape
+    it is given, either way)."""
     return norm(x.transpose(-3, -2)).transpose(-3, -2)
 
 
-def norm_for_fused_attention(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """:func:`norm_in_dtype` of x for a fused attention kernel: a LayerNorm or RMSNorm computed token-major
-    (:func:`token_major`), except inside a compiled graph, where Inductor lays out its own buffers (the graph is as
-    before); any other module as it is."""
-    if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) or torch.compiler.is_compiling():
+def keeps_query_layout(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether SDPA runs a fused kernel on q here, not its math fallback, which multiplies head by head (copying
+    token-major queries and keys first) and writes its output head-major whatever q's layout: on the CPU, unless
+    attention dropout is on (the CPU's flash kernel takes none); on CUDA, unless q is float64 (no fused kernel takes
+    it). Never inside a compiled graph, where Inductor lays out its own buffers (the graph is as before)."""
+    if torch.compiler.is_compiling():
+        return False
+    return dropout_p == 0 if q.device.type == "cpu" else q.dtype != torch.float64
+
+
+def norm_for_fused_attention(norm: nn.Module, x: torch.Tensor, token_major_layout: bool) -> torch.Tensor:
+    """:func:`norm_in_dtype` of x for SDPA: a LayerNorm or RMSNorm computed token-major (:func:`token_major`) where
+    ``token_major_layout`` (:func:`keeps_query_layout`); any other module as it is."""
+    if not token_major_layout or not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
         return norm_in_dtype(norm, x)
     return token_major(lambda t: norm_in_dtype(norm, t), x)
 
@@ -101,8 +113,9 @@ class DotProductKernel(nn.Module):
             q, k = norm_in_dtype(self.q_norm, q), norm_in_dtype(self.k_norm, k)
             return softcapped_attention(q, k, v.to(q.dtype), self.scale, self.logit_cap)
         if fused and self.logit_cap is None:
-            return F.scaled_dot_product_attention(norm_for_fused_attention(self.q_norm, q),
-                                                  norm_for_fused_attention(self.k_norm, k), v,
-                                                  attn_mask=bias, scale=self.scale,
-                                                  dropout_p=attn_drop.p if self.training else 0.0)
+            dropout_p = attn_drop.p if self.training else 0.0
+            layout = keeps_query_layout(q, dropout_p)
+            return F.scaled_dot_product_attention(norm_for_fused_attention(self.q_norm, q, layout),
+                                                  norm_for_fused_attention(self.k_norm, k, layout), v,
+                                                  attn_mask=bias, scale=self.scale, dropout_p=dropout_p)
         return attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
