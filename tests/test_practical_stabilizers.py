@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import Attention
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stability.callbacks import TrainingStability
 from stability.classifier import ImageClassifier
@@ -118,15 +119,19 @@ def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and
 
 
 def test_the_qk_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(monkeypatch):
-    """Where SDPA runs its math fallback (attention dropout on the CPU; float64 on CUDA), which copies token-major
-    queries and keys and writes its output head-major anyway, the norms run head-major, as before: the rule
-    (dot_attention.keeps_query_layout), and a training kernel with dropout on the CPU handing SDPA head-major q."""
+    """Where SDPA runs its math fallback (attention dropout on the CPU; float64 on CUDA; Swin's learned bias on the
+    CPU), which copies token-major queries and keys and writes its output head-major anyway, or, with a bias on CUDA,
+    the memory-efficient kernel, which writes token-major anyway, the norms run head-major, as before: the rule
+    (dot_attention.keeps_query_layout), a training kernel with dropout on the CPU handing SDPA head-major q, and
+    Swin's steps copying no more than with head-major norms (a first version made two copies more a layer there)."""
     from stability.nn.dot_attention import DotProductKernel, keeps_query_layout
 
     cpu, meta = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8, device="meta")  # meta: as a GPU's tensor
-    assert keeps_query_layout(cpu, 0.0) and not keeps_query_layout(cpu, 0.1)
-    assert keeps_query_layout(meta.bfloat16(), 0.1) and keeps_query_layout(meta, 0.0)
-    assert not keeps_query_layout(meta.double(), 0.0)
+    assert keeps_query_layout(cpu, 0.0, None) and not keeps_query_layout(cpu, 0.1, None)
+    assert keeps_query_layout(meta.bfloat16(), 0.1, None) and keeps_query_layout(meta, 0.0, None)
+    assert not keeps_query_layout(meta.double(), 0.0, None)
+    bias = torch.zeros(1, 1, 2, 2)  # Swin's: the memory-efficient kernel on CUDA, the math fallback on the CPU
+    assert not keeps_query_layout(cpu, 0.0, bias) and not keeps_query_layout(meta.bfloat16(), 0.0, bias.to("meta"))
     kernel = DotProductKernel(8 ** -0.5, nn.LayerNorm(8), nn.LayerNorm(8)).train()
     q, k, v = torch.randn(2, 9, 3, 3, 8).permute(2, 0, 3, 1, 4)  # views of a qkv projection, as KernelAttention's
     received = []
@@ -136,6 +141,33 @@ def test_the_qk_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(mon
     kernel(q, k, v, None, nn.Dropout(0.0), True)
     with_dropout, without = received
     assert with_dropout.is_contiguous() and without.transpose(1, 2).is_contiguous()
+    monkeypatch.undo()
+
+    def copies(stabilizer: str) -> int:
+        module = build("swin", stabilizer).train()
+        labels = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(2))
+        with CopyCounter() as counter:
+            with torch.autocast("cpu", torch.bfloat16):
+                _, terms = module.losses(images(module), labels)
+            sum(terms.values()).backward()
+        return counter.copies
+
+    from stability.nn import dot_attention
+    now = copies("qk_norm")
+    monkeypatch.setattr(dot_attention, "token_major", lambda norm, x: norm(x))  # the head-major norms
+    assert now == copies("qk_norm")
+
+
+class CopyCounter(TorchDispatchMode):
+    """Counts the contiguous copies (``clone``) a step makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.copies += func.overloadpacket.__name__ == "clone"
+        return func(*args, **(kwargs or {}))
 
 
 def test_qk_norm_rmsnorm_normalises_each_heads_queries_and_keys():

@@ -107,7 +107,7 @@ class ScaledCosineKernel(nn.Module):
         # number, so the fused kernel gets its three inputs and nothing else is kept for the backward
         out_scale = self.nu * self.head_factor
         dropout_p = attn_drop.p if self.training else 0.0
-        layout = fused and keeps_query_layout(q, dropout_p)
+        layout = fused and keeps_query_layout(q, dropout_p, bias)
         v = self.normalize(v, out_scale, for_fused=layout) if self.normalize_v else v * out_scale.to(v.dtype)
         if fused:
             queries, keys = self.scaled_queries_and_keys(q, k, for_fused=layout)

@@ -58,12 +58,15 @@ def token_major(norm, x: torch.Tensor) -> torch.Tensor:
     return norm(x.transpose(-3, -2)).transpose(-3, -2)
 
 
-def keeps_query_layout(q: torch.Tensor, dropout_p: float) -> bool:
-    """Whether SDPA runs a fused kernel on q here, not its math fallback, which multiplies head by head (copying
-    token-major queries and keys first) and writes its output head-major whatever q's layout: on the CPU, unless
-    attention dropout is on (the CPU's flash kernel takes none); on CUDA, unless q is float64 (no fused kernel takes
-    it). Never inside a compiled graph, where Inductor lays out its own buffers (the graph is as before)."""
-    if torch.compiler.is_compiling():
+def keeps_query_layout(q: torch.Tensor, dropout_p: float, bias: torch.Tensor | None) -> bool:
+    """Whether SDPA runs a kernel on q here that writes its output in q's layout (a flash kernel), so that token-major
+    queries pay: without an additive bias; on the CPU, without attention dropout (the CPU's flash kernel takes none);
+    on CUDA, not in float64 (no fused kernel takes it). Elsewhere SDPA takes its math fallback, which multiplies head
+    by head (copying token-major queries and keys first) and writes its output head-major whatever q's layout, or, with
+    a bias (Swin's relative-position bias and mask, which takes a gradient), CUDA's memory-efficient kernel, which
+    writes token-major whatever q's layout, and the CPU's math fallback. Never inside a compiled graph, where Inductor
+    lays out its own buffers (the graph is as before)."""
+    if torch.compiler.is_compiling() or bias is not None:
         return False
     return dropout_p == 0 if q.device.type == "cpu" else q.dtype != torch.float64
 
@@ -114,7 +117,7 @@ class DotProductKernel(nn.Module):
             return softcapped_attention(q, k, v.to(q.dtype), self.scale, self.logit_cap)
         if fused and self.logit_cap is None:
             dropout_p = attn_drop.p if self.training else 0.0
-            layout = keeps_query_layout(q, dropout_p)
+            layout = keeps_query_layout(q, dropout_p, bias)
             return F.scaled_dot_product_attention(norm_for_fused_attention(self.q_norm, q, layout),
                                                   norm_for_fused_attention(self.k_norm, k, layout), v,
                                                   attn_mask=bias, scale=self.scale, dropout_p=dropout_p)
