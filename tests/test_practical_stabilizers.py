@@ -118,44 +118,53 @@ def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and
         torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * scale)
 
 
-def test_the_qk_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(monkeypatch):
-    """Where SDPA runs its math fallback (attention dropout on the CPU; float64 on CUDA; Swin's learned bias on the
-    CPU), which copies token-major queries and keys and writes its output head-major anyway, or, with a bias on CUDA,
-    the memory-efficient kernel, which writes token-major anyway, the norms run head-major, as before: the rule
-    (dot_attention.keeps_query_layout), a training kernel with dropout on the CPU handing SDPA head-major q, and
-    Swin's steps copying no more than with head-major norms (a first version made two copies more a layer there)."""
+def test_the_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(monkeypatch):
+    """Where SDPA runs its math fallback (attention dropout on the CPU; float64 on CUDA; on the CPU a bias that takes
+    a gradient, Swin's learned one in training), which copies token-major queries and keys and writes its output
+    head-major anyway, qk_norm's and LipsFormer's norms run head-major, as before: the rule
+    (dot_attention.keeps_query_layout); both kernels with dropout on the CPU handing SDPA head-major q, token-major
+    without; a Swin training step copying as much as with head-major norms (the rule ignoring the bias, planted: four
+    copies more), and a Swin forward without gradients, whose bias goes to the flash kernel, copying less."""
+    from stability.nn import cosine_attention, dot_attention
+    from stability.nn.cosine_attention import ScaledCosineKernel
     from stability.nn.dot_attention import DotProductKernel, keeps_query_layout
 
     cpu, meta = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8, device="meta")  # meta: as a GPU's tensor
     assert keeps_query_layout(cpu, 0.0, None) and not keeps_query_layout(cpu, 0.1, None)
     assert keeps_query_layout(meta.bfloat16(), 0.1, None) and keeps_query_layout(meta, 0.0, None)
     assert not keeps_query_layout(meta.double(), 0.0, None)
-    bias = torch.zeros(1, 1, 2, 2)  # Swin's: the memory-efficient kernel on CUDA, the math fallback on the CPU
-    assert not keeps_query_layout(cpu, 0.0, bias) and not keeps_query_layout(meta.bfloat16(), 0.0, bias.to("meta"))
-    kernel = DotProductKernel(8 ** -0.5, nn.LayerNorm(8), nn.LayerNorm(8)).train()
-    q, k, v = torch.randn(2, 9, 3, 3, 8).permute(2, 0, 3, 1, 4)  # views of a qkv projection, as KernelAttention's
-    received = []
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, _sdpa=F.scaled_dot_product_attention,
-                        **kwargs: received.append(q) or _sdpa(q, k, v, **kwargs))
-    kernel(q, k, v, None, nn.Dropout(0.1), True)
-    kernel(q, k, v, None, nn.Dropout(0.0), True)
-    with_dropout, without = received
-    assert with_dropout.is_contiguous() and without.transpose(1, 2).is_contiguous()
-    monkeypatch.undo()
+    learned, fixed = torch.zeros(1, 1, 2, 2, requires_grad=True), torch.zeros(1, 1, 2, 2)
+    assert not keeps_query_layout(cpu, 0.0, learned) and not keeps_query_layout(meta.bfloat16(), 0.0, learned)
+    assert keeps_query_layout(cpu, 0.0, fixed) and keeps_query_layout(meta.bfloat16(), 0.0, fixed.to("meta"))
 
-    def copies(stabilizer: str) -> int:
-        module = build("swin", stabilizer).train()
+    monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: True)  # LipsFormer's CUDA path
+    q, k, v = torch.randn(2, 9, 3, 3, 8).permute(2, 0, 3, 1, 4)  # views of a qkv projection, as KernelAttention's
+    for kernel in (DotProductKernel(8 ** -0.5, nn.LayerNorm(8), nn.LayerNorm(8)), ScaledCosineKernel(3)):
+        received = []
+        with monkeypatch.context() as patch:
+            patch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, _sdpa=F.scaled_dot_product_attention,
+                          _seen=received, **kwargs: _seen.append(q) or _sdpa(q, k, v, **kwargs))
+            kernel.train()(q, k, v, None, nn.Dropout(0.1), True)
+            kernel(q, k, v, None, nn.Dropout(0.0), True)
+        with_dropout, without = received
+        assert with_dropout.is_contiguous() and without.transpose(1, 2).is_contiguous(), type(kernel).__name__
+
+    def copies(stabilizer: str, training: bool = True) -> int:
+        module = build("swin", stabilizer).train(training)
         labels = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(2))
-        with CopyCounter() as counter:
+        with CopyCounter() as counter, torch.set_grad_enabled(training):
             with torch.autocast("cpu", torch.bfloat16):
                 _, terms = module.losses(images(module), labels)
-            sum(terms.values()).backward()
+            if training:
+                sum(terms.values()).backward()
         return counter.copies
 
-    from stability.nn import dot_attention
-    now = copies("qk_norm")
+    now = {(name, training): copies(name, training) for name in ("qk_norm", "lipsformer") for training in (True, False)}
     monkeypatch.setattr(dot_attention, "token_major", lambda norm, x: norm(x))  # the head-major norms
-    assert now == copies("qk_norm")
+    monkeypatch.setattr(cosine_attention, "token_major", lambda norm, x: norm(x))
+    for name in ("qk_norm", "lipsformer"):
+        assert now[name, True] == copies(name), name
+        assert now[name, False] < copies(name, training=False), name
 
 
 class CopyCounter(TorchDispatchMode):

@@ -47,26 +47,26 @@ def norm_in_dtype(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def token_major(norm, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for per-head x of shape (…, h, N, d) and a ``norm`` over the last dimension, computed on x's
     token-major view (…, N, h, d) and returned as the (…, h, N, d) view of its result. The same values; the result laid
-    out as SDPA's flash kernels want it: they allocate their output in the query's layout (``empty_like``: CUDA's flash
-    kernel, its cuDNN kernel, the CPU's flash kernel), and CUDA's flash kernel its query gradient too, so a query
-    normalised head-major makes the attention's output head-major, and its merge into the projection's (…, N, h·d)
-    input a copy of the output, a kernel forward each step; token-major, that merge is a view, and the norm's backward
-    reads the query gradient as it is. (CUDA's memory-efficient kernel, which float32 and Swin's masked attention can
-    take, writes its output token-major whatever the query's layout.) The strided view of the qkv projection costs the
-    norm no more in this layout than in the other (its kernel copies a strided input into one contiguous in the shape
-    it is given, either way)."""
+    out as SDPA's flash-type kernels want it: they allocate their output in the query's layout (CUDA's cuDNN kernel,
+    the default on an H100 or H200 with torch 2.11's cuDNN, by ``alloc_with_matching_layout``; CUDA's flash kernel and
+    the CPU's by ``empty_like``), and their query gradient too, so a query normalised head-major makes the attention's
+    output head-major, and its merge into the projection's (…, N, h·d) input a copy of the output, a kernel forward
+    each step; token-major, that merge is a view, and the norm's backward reads the query gradient as it is. (CUDA's
+    memory-efficient kernel writes its output token-major whatever the query's layout.) The strided view of the qkv
+    projection costs the norm no more in this layout than in the other (its kernel copies a strided input into one
+    contiguous in the shape it is given, either way)."""
     return norm(x.transpose(-3, -2)).transpose(-3, -2)
 
 
 def keeps_query_layout(q: torch.Tensor, dropout_p: float, bias: torch.Tensor | None) -> bool:
-    """Whether SDPA runs a kernel on q here that writes its output in q's layout (a flash kernel), so that token-major
-    queries pay: without an additive bias; on the CPU, without attention dropout (the CPU's flash kernel takes none);
-    on CUDA, not in float64 (no fused kernel takes it). Elsewhere SDPA takes its math fallback, which multiplies head
-    by head (copying token-major queries and keys first) and writes its output head-major whatever q's layout, or, with
-    a bias (Swin's relative-position bias and mask, which takes a gradient), CUDA's memory-efficient kernel, which
-    writes token-major whatever q's layout, and the CPU's math fallback. Never inside a compiled graph, where Inductor
-    lays out its own buffers (the graph is as before)."""
-    if torch.compiler.is_compiling() or bias is not None:
+    """Whether token-major queries pay here: whether SDPA runs a kernel that writes its output in q's layout (cuDNN's
+    or a flash kernel) or one that writes token-major anyway (CUDA's memory-efficient kernel, float32's), not its math
+    fallback, which multiplies head by head (copying token-major queries and keys first) and writes its output
+    head-major whatever q's layout. The math fallback runs on the CPU with attention dropout (the CPU's flash kernel
+    takes none) or with an additive bias that takes a gradient (Swin's learned relative-position bias, training: on
+    CUDA the memory-efficient kernel takes it, token-major either way), and on CUDA in float64 (no fused kernel takes
+    it). Never inside a compiled graph, where Inductor lays out its own buffers (the graph is as before)."""
+    if torch.compiler.is_compiling() or (bias is not None and bias.requires_grad):
         return False
     return dropout_p == 0 if q.device.type == "cpu" else q.dtype != torch.float64
 
