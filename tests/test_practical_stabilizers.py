@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from timm.layers import Attention
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stability.callbacks import TrainingStability
 from stability.classifier import ImageClassifier
@@ -20,6 +19,7 @@ from stability.models.surgery import dot_product_kernels
 from stability.nn.precision import ieee_float32
 from stability.stabilizers import build_stabilizers
 from stability.stabilizers.z_loss import ZLoss
+from stability.testing.profiling import dispatched
 
 BACKBONES = {"vit": (8, dict(embed_dim=16, depth=2, num_heads=2)),
              "swin": (16, dict(embed_dim=16, depths=(1, 1), num_heads=(2, 2))),
@@ -152,12 +152,13 @@ def test_the_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(monkey
     def copies(stabilizer: str, training: bool = True) -> int:
         module = build("swin", stabilizer).train(training)
         labels = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(2))
-        with CopyCounter() as counter, torch.set_grad_enabled(training):
-            with torch.autocast("cpu", torch.bfloat16):
+
+        def step():
+            with torch.set_grad_enabled(training), torch.autocast("cpu", torch.bfloat16):
                 _, terms = module.losses(images(module), labels)
             if training:
                 sum(terms.values()).backward()
-        return counter.copies
+        return dispatched(step)["clone"]
 
     now = {(name, training): copies(name, training) for name in ("qk_norm", "lipsformer") for training in (True, False)}
     monkeypatch.setattr(dot_attention, "token_major", lambda norm, x: norm(x))  # the head-major norms
@@ -165,18 +166,6 @@ def test_the_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(monkey
     for name in ("qk_norm", "lipsformer"):
         assert now[name, True] == copies(name), name
         assert now[name, False] < copies(name, training=False), name
-
-
-class CopyCounter(TorchDispatchMode):
-    """Counts the contiguous copies (``clone``) a step makes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.copies += func.overloadpacket.__name__ == "clone"
-        return func(*args, **(kwargs or {}))
 
 
 def test_qk_norm_rmsnorm_normalises_each_heads_queries_and_keys():

@@ -78,8 +78,7 @@ class ScaledCosineKernel(nn.Module):
         output takes x's layout: token-major for the projection's views)."""
         if takes_fused_norm(x):
             factor = 1.0 / math.sqrt(x.shape[-1])
-            weight = x.new_full((), factor) if scale is None else scale * factor
-            return token_major(lambda t: self.unit(t, weight), x) if for_fused else self.unit(x, weight)
+            return self._unit_laid_out(x, x.new_full((), factor) if scale is None else scale * factor, for_fused)
         factor = torch.rsqrt((x * x).sum(-1, keepdim=True, dtype=accumulation_dtype(x.dtype)) + self.eps)
         if scale is not None:
             factor = factor * scale
@@ -91,10 +90,15 @@ class ScaledCosineKernel(nn.Module):
         factors and τ riding on the queries' norm, token-major for a fused attention kernel (``for_fused``, as in
         :meth:`normalize`); else (τ·q̂, k̂)."""
         if takes_fused_norm(q):
-            def layout(norm, x):
-                return token_major(norm, x) if for_fused else norm(x)
-            return (layout(lambda t: self.unit(t, self.tau / q.shape[-1]), q), layout(self.unit, k))
+            return (self._unit_laid_out(q, self.tau / q.shape[-1], for_fused),
+                    self._unit_laid_out(k, None, for_fused))
         return self.normalize(q, self.tau), self.normalize(k)
+
+    def _unit_laid_out(self, x: torch.Tensor, scale: torch.Tensor | None, token_major_layout: bool) -> torch.Tensor:
+        """:meth:`unit`, token-major where ``token_major_layout`` (:func:`~stability.nn.dot_attention.token_major`)."""
+        if token_major_layout:
+            return token_major(lambda t: self.unit(t, scale), x)
+        return self.unit(x, scale)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The softmax's input τ·q̂k̂ᵀ + B, (B', h, N, N)."""
