@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from stability.classifier import ImageClassifier  # noqa: E402
 from stability.machine import describe  # noqa: E402
-from stability.testing.profiling import train_step  # noqa: E402
+from stability.testing.profiling import saved_for_backward, train_step  # noqa: E402
 
 
 def arguments(description: str) -> argparse.ArgumentParser:
@@ -136,7 +136,8 @@ def interleaved(cases: dict[str, Callable[[], Any]], device: torch.device, repea
 def peak_memory(fn: Callable[[], Any], device: torch.device) -> float:
     """Bytes of one call of ``fn`` after a warm-up call (caches, optimizer state and persistent buffers exist by
     then, as in a running job): on CUDA the peak allocated above what was allocated before; on CPU (which keeps
-    no such count) the tensors saved for backward (each storage once), the part a stabilizer adds to."""
+    no such count) the tensors saved for backward (``profiling.saved_for_backward``: each storage once), the part a
+    stabilizer adds to."""
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -145,16 +146,7 @@ def peak_memory(fn: Callable[[], Any], device: torch.device) -> float:
         fn()
         torch.cuda.synchronize(device)
         return float(torch.cuda.max_memory_allocated(device) - base)
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return float(sum(seen.values()))
+    return float(saved_for_backward(fn))
 
 
 def memory_label(device: torch.device) -> str:

@@ -119,6 +119,8 @@ class ImageClassifier(L.LightningModule):
         self.network = Network(net, mean, std, image_size)
         for stab in sorted(self.stabilizers, key=lambda s: s.prepare_order):
             stab.prepare(self.network)
+        for stab in self.stabilizers:
+            stab.after_prepare(self.network)
         self.eager_forward = False  # set by callbacks that hook into a step's forward
         if compile:
             refused = [(s.name, reason) for s in self.stabilizers if (reason := s.compile_refusal())]

@@ -323,10 +323,12 @@ def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
 
 def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(benchmark_modules, monkeypatch):
     """``compiled_kernels.py``'s eager columns take the size decisions of the GPU step they stand for (``--stands_for``,
-    256 tokens at batch 256 by default): LipsFormer's CenterNorms and residual scales, counted at 16 tokens and batch 4,
-    take their written-out backwards (four launches fewer a norm, one a scale) where the step they stand for is large
-    enough, as ``step_cost.py --count`` does; at scale 1 they keep the formula. (The compiled graphs, not generated
-    here, take the formula at every size: ``test_center_norm``, ``test_channel_scale``.)"""
+    256 tokens at batch 256 by default): LipsFormer's CenterNorms and residual scales, counted at 16 tokens and batch
+    4, take their written-out backwards (four launches fewer a norm, one a scale) where the step they stand for is
+    large enough, as ``step_cost.py --count`` does, and the Linear layers that write the branches take α into their
+    weights there; at scale 1 they keep the formula, and α ⊙ y after the product. (The compiled graphs, not generated
+    here, take the norms' formula and fold α into the weights at every size: ``test_center_norm``,
+    ``test_lipsformer``.)"""
     import compiled_kernels
     import numpy as np
     import step_cost
@@ -337,10 +339,22 @@ def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(
     monkeypatch.setattr(compiled_kernels, "generated_launches", lambda run, fresh=True: np.zeros(3))
     case = next(c for c in step_cost.CASES if c.label == "lipsformer")
     depth = PRESETS["vit"]["micro"]["depth"]
-    small, large = (compiled_kernels.counts_at(case, "micro", 16, depth, "bf16", scale) for scale in (1.0, 1e9))
+    from stability.stabilizers.lipsformer import LipsFormer
+
+    counts = {}
+    for folded in (True, False):
+        with monkeypatch.context() as patch:
+            if not folded:  # α kept apart from the Linear layers
+                patch.setattr(LipsFormer, "after_prepare", lambda self, network: None)
+            counts[folded] = [compiled_kernels.counts_at(case, "micro", 16, depth, "bf16", scale)
+                              for scale in (1.0, 1e9)]
     norms, scales = 2 * depth + 1, 2 * depth  # norms: two a block and the final one; residual scales: two a block
+    (small, large), (small_folded, large_folded) = counts[False], counts[True]
     # four launches fewer a norm, one a residual scale (its product written in bf16, no cast after it)
     assert small["step"] - large["step"] == small["network"] - large["network"] == 4 * norms + scales
+    # folded: the small step's launches unchanged (α ⊙ y after the product), the large one's five a scale more
+    # than the written-out α ⊙ y (the weight and bias scaled forward, their gradients and α's back)
+    assert small_folded["step"] == small["step"] and large_folded["step"] - large["step"] == 5 * scales
     # the default: ViT-S's step at 256 tokens and batch 256, 1024 times the counted one (16 tokens, batch 4), whose
     # norms (17 tokens × 384 wide, float32) and residual scales (bf16) it takes past their written-out backwards'
     # thresholds

@@ -1,5 +1,8 @@
 """LipsFormer components against their theorems: CenterNorm's exact Lipschitz constant, SCSA
 below Theorem 1's bound (exact Jacobians by torch.func), spectral init σ₁ = 1 by SVD."""
+import copy as copy_module
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,10 +12,15 @@ from torch.func import jacrev
 
 from stability.classifier import ImageClassifier
 from stability.models import attention_sites, norm_sites, residual_sites
+from stability.models.adapters import ConvexResidualBlock
+from stability.models.surgery import replace_submodule
+from stability.nn import center_norm, folded_scale
 from stability.nn.center_norm import CenterNorm
 from stability.nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
+from stability.nn.folded_scale import ScaledOutputLinear, fold_output_scale, folds_at
 from stability.nn.spectral import conv_operator_norm, spectral_init_
 from stability.stabilizers.lipsformer import LipsFormer
+from stability.stabilizers.lipsformer import ResidualScale as LipsFormerResidualScale
 
 VIT = dict(embed_dim=16, depth=2, num_heads=2)
 
@@ -336,3 +344,149 @@ def test_spectral_init_can_leave_conv_biases_at_their_default_initialisation():
     assert all(float(m.bias.abs().max()) == 0 for m in zeroed.network.modules() if isinstance(m, nn.Conv2d))
     with pytest.raises(ValueError, match="conv_bias_init must be"):
         ImageClassifier(stabilizer="lipsformer", stabilizer_options={"lipsformer": {"conv_bias_init": "ones"}})
+
+
+def lipsformer_network(backbone: str, size: int, dtype: torch.dtype, folded: bool, monkeypatch,
+                       stabilizer: str = "lipsformer", options: dict | None = None) -> ImageClassifier:
+    """A LipsFormer network (seed 0) with per-channel α, biases and cosine scales drawn at random (seed 1), its residual
+    scales folded into the Linear layers that write their branches, or kept apart (``after_prepare`` skipped)."""
+    with monkeypatch.context() as patch:
+        if not folded:
+            patch.setattr(LipsFormer, "after_prepare", lambda self, network: None)
+        torch.manual_seed(0)
+        module = ImageClassifier(backbone=backbone, image_size=size, stabilizer=stabilizer,
+                                 stabilizer_options=options).to(dtype).train()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in module.network.named_parameters():
+            if name.endswith(("alpha", "bias")):
+                parameter.copy_(torch.rand(parameter.shape, generator=gen, dtype=torch.float64) * 1.5 - 0.25)
+    return module
+
+
+def outputs_and_gradients(module: ImageClassifier, size: int) -> dict[str, torch.Tensor]:
+    dtype = next(module.parameters()).dtype
+    images = torch.rand(3, 1, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype)
+    torch.manual_seed(3)  # the same stochastic depth (Swin's, CSwin's DropPath) for both
+    logits = module(images)
+    (logits.square().sum() + F.cross_entropy(logits, torch.tensor([0, 1, 2]))).backward()
+    return {"logits": logits.detach(), **{name: p.grad for name, p in module.named_parameters() if p.grad is not None}}
+
+
+@pytest.mark.parametrize("backbone,size", [("vit", 8), ("swin", 16), ("cswin", 16)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("into_weights", [True, False])
+def test_residual_scales_folded_into_the_linear_layers_give_the_same_outputs_and_gradients(backbone, size, dtype,
+                                                                                           tolerance, into_weights,
+                                                                                           monkeypatch):
+    """α ⊙ (W h + b) computed by the Linear layer that writes each branch (the attention's proj, the MLP's fc2), as
+    (diag(α) W) h + α ⊙ b (a large output) or as α ⊙ y after its product (a small one): the logits and every
+    parameter's gradient (W, b and α among them) as with α ⊙ y applied by α's own module, relative to each tensor's
+    largest entry; every scale folded, the state dict unchanged.
+    In float32 the cosine attention's τ and ν, scalars whose gradients sum every logit's, are held to 1e-3: the
+    reference's own float32 gradient of τ is 1.2e-4 off float64's (measured), the two paths 3e-5 to 2e-4 apart
+    with the order of the sums (the threads); a fold that drops α or its bias scaling errs by more than 1e-1."""
+    folded = lipsformer_network(backbone, size, dtype, True, monkeypatch)
+    apart = lipsformer_network(backbone, size, dtype, False, monkeypatch)
+    monkeypatch.setattr(folded_scale, "WRITTEN_OUT_FROM_BYTES", 0 if into_weights else 2 ** 62)
+    scaled_outputs, channel_scale = [], folded_scale.channel_scale
+    monkeypatch.setattr(folded_scale, "channel_scale", lambda *args: scaled_outputs.append(1) or channel_scale(*args))
+    sites = residual_sites(folded.network.backbone)
+    for site in sites:
+        scale = getattr(site.block, site.attr)[0]
+        linear = site.block.attn.proj if site.kind == "attention" else site.block.mlp.fc2
+        assert scale.folded and isinstance(linear, ScaledOutputLinear) and linear.output_scale is scale
+    assert not any(getattr(s.block, s.attr)[0].folded for s in residual_sites(apart.network.backbone))
+    assert list(folded.state_dict()) == list(apart.state_dict())
+    got, expected = outputs_and_gradients(folded, size), outputs_and_gradients(apart, size)
+    assert len(scaled_outputs) == (0 if into_weights else len(sites))
+    assert got.keys() == expected.keys() and any(name.endswith("alpha") for name in got)
+    for name in expected:
+        error = (got[name] - expected[name]).abs().max() / expected[name].abs().max()
+        scalar = dtype == torch.float32 and name.endswith(("kernel.tau", "kernel.nu"))
+        assert error <= (1e-3 if scalar else tolerance), (name, float(error))
+
+
+def test_alpha_stays_apart_where_it_cannot_be_folded(monkeypatch):
+    """Where another stabilizer parametrises the Linear layers (spectral_norm's parametrisation), α stays a module of
+    its own, with the same outputs; a block whose residuals another module computes, bypassing α's slot (a convex
+    residual), keeps α apart too (its Linear layers unchanged), while the other blocks fold theirs."""
+    options = {"spectral_norm": {"mode": "parametrize"}}
+    parametrized = lipsformer_network("vit", 8, torch.float64, True, monkeypatch, "lipsformer,spectral_norm", options)
+    assert not any(getattr(s.block, s.attr)[0].folded for s in residual_sites(parametrized.network.backbone))
+    reference = lipsformer_network("vit", 8, torch.float64, False, monkeypatch, "lipsformer,spectral_norm", options)
+    images = torch.rand(2, 1, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(parametrized(images), reference(images), rtol=0, atol=0)
+
+    module = lipsformer_network("vit", 8, torch.float64, False, monkeypatch)
+    backbone = module.network.backbone
+    replace_submodule(backbone, "blocks.0", ConvexResidualBlock(backbone.blocks[0], 0.5))
+    module.stabilizers[0].after_prepare(module.network)
+    folded = [getattr(site.block, site.attr)[0].folded for site in residual_sites(backbone)]
+    assert folded[:2] == [False, False] and all(folded[2:]) and len(folded) > 2
+    assert type(backbone.blocks[0].block.attn.proj) is nn.Linear and type(backbone.blocks[0].block.mlp.fc2) is nn.Linear
+    module.stabilizers[0].after_prepare(module.network)  # again: nothing folds twice
+    assert type(backbone.blocks[1].attn.proj) is ScaledOutputLinear
+
+
+def test_a_folded_network_copies_pickles_and_takes_swapped_parameters(monkeypatch):
+    """A deep copy's and an unpickled copy's Linear layers read their own copy's α, not the original's; a
+    ``torch.func.functional_call`` that swaps α (a local Lipschitz estimate's, say) is read by the Linear layers as by
+    α's own module."""
+    monkeypatch.setattr(folded_scale, "WRITTEN_OUT_FROM_BYTES", 0)  # α into the weights at this size
+    module = lipsformer_network("vit", 8, torch.float64, True, monkeypatch)
+    apart = lipsformer_network("vit", 8, torch.float64, False, monkeypatch)
+    images = torch.rand(2, 1, 8, 8, dtype=torch.float64)
+    buffer = io.BytesIO()
+    torch.save(module.network, buffer)
+    buffer.seek(0)
+    for copy in (copy_module.deepcopy(module.network), torch.load(buffer, weights_only=False)):
+        proj = copy.backbone.blocks[0].attn.proj
+        assert proj.output_scale is copy.backbone.blocks[0].drop_path1[0]
+        with torch.no_grad():
+            copy.backbone.blocks[0].drop_path1[0].alpha.mul_(3.0)
+        expected = {name: (p * 3.0 if name == "backbone.blocks.0.drop_path1.0.alpha" else p)
+                    for name, p in apart.network.named_parameters()}
+        torch.testing.assert_close(copy(images), torch.func.functional_call(apart.network, expected, (images,)))
+    torch.testing.assert_close(module.network(images), apart.network(images), rtol=1e-12, atol=0)
+    swapped = {name: p.detach() * 2.0 if name.endswith("alpha") else p.detach()
+               for name, p in module.network.named_parameters()}
+    torch.testing.assert_close(torch.func.functional_call(module.network, swapped, (images,)),
+                               torch.func.functional_call(apart.network, swapped, (images,)), rtol=1e-12, atol=0)
+    assert not torch.allclose(torch.func.functional_call(module.network, swapped, (images,)), module.network(images))
+
+
+def test_fold_output_scale_refuses_what_it_cannot_fold():
+    scale = LipsFormerResidualScale(4, 0.5)
+    with pytest.raises(ValueError, match="plain nn.Linear"):
+        fold_output_scale(ScaledOutputLinear(3, 4), scale)
+    with pytest.raises(ValueError, match="does not scale the 5 outputs"):
+        fold_output_scale(nn.Linear(3, 5), scale)
+
+
+def test_only_a_branch_that_a_known_linear_layer_ends_is_folded():
+    """timm's post-norm block normalises the branch after its last Linear layer: α ⊙ norm(W h) is not
+    norm((diag(α) W) h), so its sites name no Linear layer to fold into; its pre-norm block names proj and fc2."""
+    from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+
+    post = VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, block_fn=ResPostBlock)
+    sites = residual_sites(post)
+    assert len(sites) == 2 and all(site.output_linear() is None for site in sites)
+    pre = VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2)
+    assert [site.output_linear() for site in residual_sites(pre)] == [pre.blocks[0].attn.proj, pre.blocks[0].mlp.fc2]
+
+
+def test_alpha_goes_into_the_weights_where_the_output_is_large():
+    """ViT-S's branch output at 256 tokens and batch 256 (48 MiB in bf16, and ViT-S's MLP's too) takes α into the
+    weight; the micro ViT's at batch 128 (1.6 MiB) keeps α ⊙ y after the product (five launches fewer a branch, where
+    launches set the time); a small step standing for the large one (``sized_as``) decides as it; a compiled graph
+    always folds (one path at every batch size)."""
+    x = torch.empty(256, 257, 384, dtype=torch.bfloat16, device="meta")
+    assert folds_at(x, 384) and folds_at(torch.empty(256, 257, 1536, dtype=torch.bfloat16, device="meta"), 384)
+    small = torch.empty(128, 65, 64, dtype=torch.bfloat16, device="meta")
+    assert not folds_at(small, 64)
+    with center_norm.sized_as(256 * 257 * 384 / (128 * 65 * 64)):
+        assert folds_at(small, 64)
+    assert not folds_at(x[:, :100], 384)  # 19 MiB: below the 32 MiB that the written-out scale takes too
+    assert not folds_at(torch.empty(256, 100, 1536, dtype=torch.bfloat16, device="meta"), 384)  # its output's size
+    assert torch.compile(lambda t: torch.tensor(folds_at(t, 4)), backend="eager", fullgraph=True)(torch.ones(2, 4))

@@ -98,6 +98,31 @@ class ResidualSite:
         """Put ``scale`` on the branch output, before DropPath: x + DropPath(scale(f(x)))."""
         setattr(self.block, self.attr, nn.Sequential(scale, getattr(self.block, self.attr)))
 
+    def output_linear(self) -> nn.Linear | None:
+        """The Linear layer that writes the branch's output f(x), where every operation after it up to
+        ``block.<attr>`` acts on each token's channels one by one (dropout, LayerScale, Swin's window reversal and
+        shift): the attention's ``proj`` or the MLP's ``fc2``, for the blocks, attention modules and MLPs whose
+        forward is known here (timm's ViT ``Block`` and ``SwinTransformerBlock``, CSwin's block; timm's
+        ``Attention`` and ``WindowAttention``, CSwin's, the kernel adapters; timm's ``Mlp``). None for any other
+        (a post-norm block normalises after the Linear, another MLP may end otherwise) and for a Linear that is
+        no longer a plain ``nn.Linear`` (parametrised, or changed by a stabilizer)."""
+        from timm.layers import Attention, Mlp
+        from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention
+        from timm.models.vision_transformer import Block
+
+        from .adapters import KernelAttention, KernelWindowAttention
+        from .cswin import CrossShapedAttention, CSWinBlock
+
+        if type(self.block) not in (Block, SwinTransformerBlock, CSWinBlock):
+            return None
+        if self.kind == "attention":
+            branch, known, last = self.block.attn, (Attention, WindowAttention, KernelAttention,
+                                                    KernelWindowAttention, CrossShapedAttention), "proj"
+        else:
+            branch, known, last = self.block.mlp, (Mlp,), "fc2"
+        linear = getattr(branch, last, None) if type(branch) in known else None
+        return linear if type(linear) is nn.Linear else None
+
 
 @dataclass(frozen=True)
 class NormSite:

@@ -61,7 +61,12 @@ def written_out(x: torch.Tensor, from_bytes: int | None = None) -> bool:
     if torch.compiler.is_compiling():
         return False
     threshold = WRITTEN_OUT_FROM_BYTES if from_bytes is None else from_bytes
-    return x.numel() * x.element_size() * _size_scale >= threshold
+    return judged_bytes(x.numel() * x.element_size()) >= threshold
+
+
+def judged_bytes(nbytes: float) -> float:
+    """A tensor's ``nbytes`` as the size decisions judge it: times the :func:`sized_as` scale (1 outside one)."""
+    return nbytes * _size_scale
 
 
 @contextlib.contextmanager

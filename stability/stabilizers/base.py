@@ -6,7 +6,9 @@ calls, for each selected stabilizer, in the order given:
 1. ``prepare(network)`` once, when the module is built (before a checkpoint is loaded, so
    that a changed architecture — CenterNorm, cosine attention, weighted residuals — has
    the matching state dict), to swap modules or re-initialise weights; stabilizers with
-   ``prepare_order = 0`` (those that swap modules) go first, constraints (2) last;
+   ``prepare_order = 0`` (those that swap modules) go first, constraints (2) last; then
+   ``after_prepare(network)``, once each, for a change that needs the final architecture (LipsFormer folds its
+   residual scales into the Linear layers that write their branches);
 2. ``task_loss(step, default)`` on every training forward pass, to replace the task loss (the
    objective actually optimised, e.g. a margin loss): ``default(logits)`` is the module's
    cross-entropy; at most one selected stabilizer may return one (None: keep the default);
@@ -106,6 +108,9 @@ class Stabilizer:
 
     def prepare(self, network: nn.Module) -> None:
         """Change the network before training (swap layers, re-initialise weights)."""
+
+    def after_prepare(self, network: nn.Module) -> None:
+        """Called once after every selected stabilizer's ``prepare``: a change that needs the final architecture."""
 
     def compile_refusal(self) -> str | None:
         """Why the network cannot train compiled (``--model.compile true``) beside this stabilizer, or None."""

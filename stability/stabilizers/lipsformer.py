@@ -26,24 +26,32 @@ from timm.layers import DropPath
 from torch import nn
 
 from ..models import attention_sites, norm_sites, replace_attention_kernel, residual_sites
+from ..models.adapters import ConvexResidualBlock
 from ..models.cswin import CrossShapedAttention
 from ..nn.center_norm import CenterNorm
 from ..nn.channel_scale import channel_scale
 from ..nn.cosine_attention import ScaledCosineKernel
+from ..nn.folded_scale import fold_output_scale
 from ..nn.spectral import spectral_init_
 from .base import Stabilizer, register_stabilizer
 
 
 class ResidualScale(nn.Module):
     """α ⊙ x with a learnable per-channel α (LipsFormer's weighted residual shortcut); under mixed precision on a
-    large input, with its backward written out (:func:`~stability.nn.channel_scale.channel_scale`)."""
+    large input, with its backward written out (:func:`~stability.nn.channel_scale.channel_scale`). ``folded``: the
+    Linear layer that writes x applies α already (:func:`~stability.nn.folded_scale.fold_output_scale`), and this
+    module passes x on."""
 
     def __init__(self, dim: int, init: float) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.full((dim,), float(init)))
+        self.folded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return channel_scale(x, self.alpha)
+        return x if self.folded else channel_scale(x, self.alpha)
+
+    def extra_repr(self) -> str:
+        return "folded into the Linear layer that writes its input" if self.folded else ""
 
 
 @register_stabilizer
@@ -102,6 +110,26 @@ class LipsFormer(Stabilizer):
         if self.spectral_init:
             spectral_init_(backbone, self._conv_input_shapes(network) if self.conv_operator_norm else None,
                            zero_conv_bias=self.conv_bias_init == "zeros")
+
+    def after_prepare(self, network: nn.Module) -> None:
+        """Each weighted residual's α folded into the Linear layer that writes its branch, α ⊙ (W h + b) computed
+        as (diag(α) W) h + α ⊙ b (:mod:`stability.nn.folded_scale`: the same function, without a pass over the
+        branch's output each way), where the final architecture allows it: a branch that a known Linear ends
+        (:meth:`~stability.models.view.ResidualSite.output_linear`: not parametrised by another stabilizer) in a
+        block that applies its residual through the slot holding α (not one whose residuals another stabilizer
+        computes, bypassing the slot). Elsewhere α stays a module of its own."""
+        if not self.weighted_residual:
+            return
+        backbone = network.backbone if hasattr(network, "backbone") else network
+        bypassed = {id(module.block) for module in backbone.modules() if isinstance(module, ConvexResidualBlock)}
+        for site in residual_sites(backbone):
+            slot = getattr(site.block, site.attr)
+            scale = slot[0] if isinstance(slot, nn.Sequential) and isinstance(slot[0], ResidualScale) else None
+            linear = site.output_linear()
+            if scale is None or linear is None or id(site.block) in bypassed:
+                continue
+            fold_output_scale(linear, scale)
+            scale.folded = True
 
     def lipschitz_bound(self, network: nn.Module) -> float | None:
         """Certified bound by composition (ViT with every component on; see stability.lipschitz.certified)."""

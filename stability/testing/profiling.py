@@ -2,8 +2,9 @@
 
 A GPU is rare here, and its timings are noisy; these counts are exact and repeat on a CPU:
 
-* :func:`saved_for_backward` — the bytes autograd keeps for the backward pass (each storage once), the part of a
-  step's peak memory a method adds to; an fp32 copy made under autocast, or an N × N map, shows here;
+* :func:`saved_for_backward` — the bytes autograd keeps for the backward pass (each storage once; on request not a
+  parameter, which its module holds anyway), the part of a step's peak memory a method adds to; an fp32 copy made
+  under autocast, or an N × N map, shows here;
 * :func:`attention_maps` — the operators whose output holds a (…, N, N) map for N tokens: a step that keeps its
   attention on a fused kernel (SDPA, FlexAttention) produces none; an explicit softmax(QKᵀ) produces several per
   layer;
@@ -20,13 +21,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def saved_for_backward(step: Callable[[], Any]) -> int:
-    """Bytes of the tensors autograd saves for backward during ``step()`` (each storage counted once)."""
+def saved_for_backward(step: Callable[[], Any], parameters: bool = True) -> int:
+    """Bytes of the tensors autograd saves for backward during ``step()`` (each storage counted once).
+    ``parameters=False``: a parameter saved as it is, or a view of one (a product with a weight, ``α.unsqueeze(-1)``),
+    is left out, its module holding it whether or not the step saves it — what a method adds to a step's memory; a
+    copy of one (autocast's bf16 cast of a weight) is counted either way. (The measurements' batch sizing counts them:
+    its memory is the device's, parameters included.)"""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        if parameters or not isinstance(t if t._base is None else t._base, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

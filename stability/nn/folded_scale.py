@@ -1,0 +1,72 @@
+"""A per-channel output scale folded into the Linear layer that writes the output.
+
+LipsFormer's weighted residual x + α ⊙ f(x) (Qi et al. 2023, Sec. 4.1.3) ends most branches in a Linear layer,
+f(x) = W h + b, followed only by operations that act on each token's channels one by one (dropout, DropPath, Swin's
+window reversal). Then
+
+    α ⊙ (W h + b) = (diag(α) W) h + α ⊙ b,
+
+the same function computed by the product itself: scaling the D × D' weight and the bias costs a few kernels on
+tensors of the weight's size, where α ⊙ y reads and writes the branch's whole (B, N, D) output, forward and backward
+(and, under mixed precision, promotes it to float32 before the residual addition reads it again). Those few kernels
+are five more launches a branch than α ⊙ y takes: on a small output, where the host's launches set a step's time,
+the product is followed by α ⊙ y instead (:func:`folds_at`). The weight and bias stay the unscaled W and b, and α
+stays a parameter of its own module: the state dict, the optimizers' parameters, the constraints and the certified
+bounds read what they read before.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .center_norm import judged_bytes
+from .channel_scale import WRITTEN_OUT_FROM_BYTES, channel_scale
+from .precision import autocast_dtype
+
+
+class ScaledOutputLinear(nn.Linear):
+    """``nn.Linear`` that returns α ⊙ (W x + b) as F.linear(x, diag(α) W, α ⊙ b), α read at every call from
+    ``output_scale.alpha`` (a module elsewhere in the network, not a submodule of this one: see
+    :func:`fold_output_scale`)."""
+
+    output_scale: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.output_scale.alpha
+        if not folds_at(x, self.out_features):
+            return channel_scale(F.linear(x, self.weight, self.bias), alpha)
+        bias = None if self.bias is None else self.bias * alpha
+        return F.linear(x, self.weight * alpha.unsqueeze(-1), bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, output scaled per channel by its residual's α"
+
+
+def folds_at(x: torch.Tensor, out_features: int) -> bool:
+    """Whether the product takes α into its weight on the input ``x``: where its output, (…, ``out_features``) in the
+    product's dtype (autocast's where it is on), has at least ``channel_scale.WRITTEN_OUT_FROM_BYTES`` — the same trade
+    as that written-out backward's, a pass over the output each way against a few calls' host work — judged as
+    :func:`~stability.nn.center_norm.written_out` judges sizes (``sized_as``); always inside a compiled graph (one path
+    at every batch size; Inductor fuses the weight's scaling into one kernel)."""
+    if torch.compiler.is_compiling():
+        return True
+    dtype = autocast_dtype(x.device.type) or x.dtype
+    rows = x.numel() // max(1, x.shape[-1])
+    return judged_bytes(rows * out_features * dtype.itemsize) >= WRITTEN_OUT_FROM_BYTES
+
+
+def fold_output_scale(linear: nn.Linear, scale: nn.Module) -> None:
+    """Make ``linear`` (a plain ``nn.Linear``) compute ``scale.alpha`` ⊙ its output (:class:`ScaledOutputLinear`).
+    ``scale`` is referred to, not registered: it stays where it is in the module tree, so that the parameters and the
+    state dict keep their names, and a ``torch.func.functional_call`` that swaps α is read here too. The caller makes
+    ``scale`` itself an identity (its α is now applied by the product)."""
+    if type(linear) is not nn.Linear:
+        raise ValueError(f"fold_output_scale: needs a plain nn.Linear (not parametrised, not a subclass), got "
+                         f"{type(linear).__name__}")
+    alpha = scale.alpha
+    if alpha.shape != (linear.out_features,):
+        raise ValueError(f"fold_output_scale: α of shape {tuple(alpha.shape)} does not scale the "
+                         f"{linear.out_features} outputs of the Linear layer")
+    linear.__class__ = ScaledOutputLinear
+    object.__setattr__(linear, "output_scale", scale)  # a reference, not a submodule (no second name for α)
