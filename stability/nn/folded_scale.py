@@ -9,10 +9,12 @@ window reversal). Then
 the same function computed by the product itself: scaling the D × D' weight and the bias costs a few kernels on
 tensors of the weight's size, where α ⊙ y reads and writes the branch's whole (B, N, D) output, forward and backward
 (and, under mixed precision, promotes it to float32 before the residual addition reads it again). Those few kernels
-are five more launches a branch than α ⊙ y takes: on a small output, where the host's launches set a step's time,
-the product is followed by α ⊙ y instead (:func:`folds_at`). The weight and bias stay the unscaled W and b, and α
-stays a parameter of its own module: the state dict, the optimizers' parameters, the constraints and the certified
-bounds read what they read before.
+(and, under mixed precision, the cast of the incoming float32 gradient to the product's bf16 output, which the plain
+step makes too and α ⊙ y's written-out backward wrote in its own product) are five launches a branch more than
+α ⊙ y takes: on a small output, where the host's launches set a step's time, and in float16, the product is
+followed by α ⊙ y instead (:func:`folds_at`). The weight and bias stay the unscaled W and b, and α stays a parameter
+of its own module: the state dict, the optimizers' parameters, the constraints and the certified bounds read what
+they read before.
 """
 from __future__ import annotations
 
@@ -48,10 +50,13 @@ def folds_at(x: torch.Tensor, out_features: int) -> bool:
     product's dtype (autocast's where it is on), has at least ``channel_scale.WRITTEN_OUT_FROM_BYTES`` — the same trade
     as that written-out backward's, a pass over the output each way against a few calls' host work — judged as
     :func:`~stability.nn.center_norm.written_out` judges sizes (``sized_as``); always inside a compiled graph (one path
-    at every batch size; Inductor fuses the weight's scaling into one kernel)."""
+    at every batch size; Inductor fuses the weight's scaling into one kernel). Never in float16: diag(α)W rounded to
+    fp16 would put a small α's products among its subnormals, where α ⊙ y multiplies in float32."""
+    dtype = autocast_dtype(x.device.type) or x.dtype
+    if dtype == torch.float16:
+        return False
     if torch.compiler.is_compiling():
         return True
-    dtype = autocast_dtype(x.device.type) or x.dtype
     rows = x.numel() // max(1, x.shape[-1])
     return judged_bytes(rows * out_features * dtype.itemsize) >= WRITTEN_OUT_FROM_BYTES
 
