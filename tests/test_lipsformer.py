@@ -479,7 +479,7 @@ def test_alpha_goes_into_the_weights_where_the_output_is_large():
     """ViT-S's branch output at 256 tokens and batch 256 (48 MiB in bf16, and ViT-S's MLP's too) takes α into the
     weight; the micro ViT's at batch 128 (1.6 MiB) keeps α ⊙ y after the product (five launches fewer a branch, where
     launches set the time); a small step standing for the large one (``sized_as``) decides as it; a compiled graph
-    always folds (one path at every batch size)."""
+    folds at every size, float16 apart (one path at every batch size)."""
     x = torch.empty(256, 257, 384, dtype=torch.bfloat16, device="meta")
     assert folds_at(x, 384) and folds_at(torch.empty(256, 257, 1536, dtype=torch.bfloat16, device="meta"), 384)
     small = torch.empty(128, 65, 64, dtype=torch.bfloat16, device="meta")
@@ -510,6 +510,8 @@ def test_folded_scales_under_bf16_autocast_keep_the_logits_to_bf16s_rounding(bac
     rounds W and y: both paths' logits within 2e-2 of the float64 network's (relative to its largest; each about
     5e-3 off, measured: bf16's 2⁻⁸ over the layers), where a dropped α or bias scaling errs by more than 1e-1."""
     monkeypatch.setattr(folded_scale, "WRITTEN_OUT_FROM_BYTES", 0)  # α into the weights at this size
+    scaled_outputs, channel_scale = [], folded_scale.channel_scale
+    monkeypatch.setattr(folded_scale, "channel_scale", lambda *args: scaled_outputs.append(1) or channel_scale(*args))
     images = torch.rand(3, 1, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     network = lipsformer_network(backbone, size, torch.float64, False, monkeypatch)
     torch.manual_seed(3)  # the same stochastic depth (Swin's, CSwin's DropPath) in every forward
@@ -519,5 +521,5 @@ def test_folded_scales_under_bf16_autocast_keep_the_logits_to_bf16s_rounding(bac
         torch.manual_seed(3)
         with torch.autocast("cpu", torch.bfloat16):
             logits = module(images.float())
-        assert logits.dtype == torch.bfloat16
+        assert logits.dtype == torch.bfloat16 and not scaled_outputs  # the folded layers took α into their weights
         assert (logits.double() - exact).abs().max() <= 2e-2 * exact.abs().max(), folded

@@ -49,9 +49,10 @@ def folds_at(x: torch.Tensor, out_features: int) -> bool:
     """Whether the product takes α into its weight on the input ``x``: where its output, (…, ``out_features``) in the
     product's dtype (autocast's where it is on), has at least ``channel_scale.WRITTEN_OUT_FROM_BYTES`` — the same trade
     as that written-out backward's, a pass over the output each way against a few calls' host work — judged as
-    :func:`~stability.nn.center_norm.written_out` judges sizes (``sized_as``); always inside a compiled graph (one path
-    at every batch size; Inductor fuses the weight's scaling into one kernel). Never in float16: diag(α)W rounded to
-    fp16 would put a small α's products among its subnormals, where α ⊙ y multiplies in float32."""
+    :func:`~stability.nn.center_norm.written_out` judges sizes (``sized_as``); at every size inside a compiled graph
+    (one path at every batch size; Inductor fuses the weight's scaling into one kernel). Never in float16: diag(α)W
+    rounded to fp16 would put a small α's products among its subnormals (a precaution: at α's initial 1/L only tiny
+    weights get there), where α ⊙ y multiplies in float32."""
     dtype = autocast_dtype(x.device.type) or x.dtype
     if dtype == torch.float16:
         return False
