@@ -60,6 +60,46 @@ def test_architecture_is_the_papers():
     assert 0.999 < float(slope.abs().max()) <= 1.0 + 1e-6
 
 
+def convex_blocks() -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    """A ViT, a Swin and a CSwin block in float64, each with an input of its layout."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+    from timm.models.vision_transformer import Block
+
+    from stability.models.cswin import CSWinBlock
+
+    torch.manual_seed(0)
+    swin = SwinTransformerBlock(16, (4, 4), num_heads=2, window_size=2, shift_size=1)
+    return {"vit": (Block(16, 2), torch.randn(2, 5, 16)), "swin": (swin, torch.randn(2, 4, 4, 16)),
+            "cswin": (CSWinBlock(16, 2, 4, 2), torch.randn(2, 4, 4, 16))}
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin", "cswin"])
+def test_convex_residuals_take_one_pass_over_the_stream(kind):
+    """x ← (1 − a)x + a·f(x) for the attention and the MLP, as ``torch.add(a·f, x, alpha=1 − a)``: the output and the
+    gradients of the input and every parameter equal the formula's (float64, 1e-12), with two scalar products a
+    block forward (a·f) where the formula took four ((1 − a)·x as well)."""
+    from stability.testing.profiling import dispatched
+
+    block, x = convex_blocks()[kind]
+    block, a = block.double().eval(), 0.3
+    wrapped, x = ConvexResidualBlock(block, a), x.double().requires_grad_(True)
+    attention = block._attn if hasattr(block, "_attn") else block.attn
+
+    def formula(x):
+        y = (1 - a) * x + a * attention(block.norm1(x))
+        return (1 - a) * y + a * block.mlp(block.norm2(y))
+
+    upstream = torch.randn_like(x)
+    results = []
+    for function in (wrapped, formula):
+        out = function(x)
+        results.append([out, *torch.autograd.grad(out, [x, *block.parameters()], upstream)])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    products = [dispatched(lambda f=f: f(x.detach()))["mul"] for f in (wrapped, formula)]
+    assert products[0] == products[1] - 2
+
+
 def test_patch_linear_and_split_qkv_compute_what_they_replace():
     conv = nn.Conv2d(3, 8, 2, stride=2)
     x = torch.rand(2, 3, 6, 6)
