@@ -19,8 +19,7 @@ from stability.nn.center_norm import CenterNorm
 from stability.nn.cosine_attention import ScaledCosineKernel, scsa_lipschitz_bound
 from stability.nn.folded_scale import ScaledOutputLinear, fold_output_scale, folds_at
 from stability.nn.spectral import conv_operator_norm, spectral_init_
-from stability.stabilizers.lipsformer import LipsFormer
-from stability.stabilizers.lipsformer import ResidualScale as LipsFormerResidualScale
+from stability.stabilizers.lipsformer import LipsFormer, ResidualScale
 
 VIT = dict(embed_dim=16, depth=2, num_heads=2)
 
@@ -373,6 +372,13 @@ def outputs_and_gradients(module: ImageClassifier, size: int) -> dict[str, torch
     return {"logits": logits.detach(), **{name: p.grad for name, p in module.named_parameters() if p.grad is not None}}
 
 
+def outputs_scaled_after_the_product(monkeypatch) -> list:
+    """A list that gets an entry each time a folded Linear layer applies α ⊙ y after its product (its small path)."""
+    calls, channel_scale = [], folded_scale.channel_scale
+    monkeypatch.setattr(folded_scale, "channel_scale", lambda *args: calls.append(1) or channel_scale(*args))
+    return calls
+
+
 @pytest.mark.parametrize("backbone,size", [("vit", 8), ("swin", 16), ("cswin", 16)])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("into_weights", [True, False])
@@ -389,8 +395,7 @@ def test_residual_scales_folded_into_the_linear_layers_give_the_same_outputs_and
     folded = lipsformer_network(backbone, size, dtype, True, monkeypatch)
     apart = lipsformer_network(backbone, size, dtype, False, monkeypatch)
     monkeypatch.setattr(folded_scale, "WRITTEN_OUT_FROM_BYTES", 0 if into_weights else 2 ** 62)
-    scaled_outputs, channel_scale = [], folded_scale.channel_scale
-    monkeypatch.setattr(folded_scale, "channel_scale", lambda *args: scaled_outputs.append(1) or channel_scale(*args))
+    scaled_outputs = outputs_scaled_after_the_product(monkeypatch)
     sites = residual_sites(folded.network.backbone)
     for site in sites:
         scale = getattr(site.block, site.attr)[0]
@@ -456,7 +461,7 @@ def test_a_folded_network_copies_pickles_and_takes_swapped_parameters(monkeypatc
 
 
 def test_fold_output_scale_refuses_what_it_cannot_fold():
-    scale = LipsFormerResidualScale(4, 0.5)
+    scale = ResidualScale(4, 0.5)
     with pytest.raises(ValueError, match="plain nn.Linear"):
         fold_output_scale(ScaledOutputLinear(3, 4), scale)
     with pytest.raises(ValueError, match="does not scale the 5 outputs"):
@@ -510,8 +515,7 @@ def test_folded_scales_under_bf16_autocast_keep_the_logits_to_bf16s_rounding(bac
     rounds W and y: both paths' logits within 2e-2 of the float64 network's (relative to its largest; each about
     5e-3 off, measured: bf16's 2⁻⁸ over the layers), where a dropped α or bias scaling errs by more than 1e-1."""
     monkeypatch.setattr(folded_scale, "WRITTEN_OUT_FROM_BYTES", 0)  # α into the weights at this size
-    scaled_outputs, channel_scale = [], folded_scale.channel_scale
-    monkeypatch.setattr(folded_scale, "channel_scale", lambda *args: scaled_outputs.append(1) or channel_scale(*args))
+    scaled_outputs = outputs_scaled_after_the_product(monkeypatch)
     images = torch.rand(3, 1, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     network = lipsformer_network(backbone, size, torch.float64, False, monkeypatch)
     torch.manual_seed(3)  # the same stochastic depth (Swin's, CSwin's DropPath) in every forward
