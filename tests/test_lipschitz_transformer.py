@@ -3,11 +3,13 @@
 decay, the reference's initialisation and update scales, both bounds above exact Jacobian norms, and
 Lipschitz-margin training."""
 import collections
+import copy
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from stability.classifier import ImageClassifier
 from stability.lipschitz import jacobian_norm
@@ -15,10 +17,13 @@ from stability.lipschitz.certified import certified_bound
 from stability.lipschitz.transformer_bounds import paper_bound, pixel_bound
 from stability.models import ConvexResidualBlock, PatchLinear, SplitQKV, attention_sites, norm_sites
 from stability.nn import constraints
-from stability.nn.lipschitz_blocks import LipschitzDotKernel, MaxMin, ScaledGELU
+from stability.nn.folded_scale import ScaledInputLinear, fold_input_scale
+from stability.nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, MaxMin, ScaledGELU
 from stability.optim import nominal_lr
 from stability.robustness import AttackSpec, certified_radii, robust_accuracy
+from stability.stabilizers.lipschitz_transformer import LipschitzTransformer
 from stability.stabilizers.muon import constrained_matrices
+from stability.testing.profiling import dispatched
 
 VIT = dict(embed_dim=16, depth=2, num_heads=2)
 
@@ -50,9 +55,12 @@ def test_architecture_is_the_papers():
     # one block computes the convex combinations with attention (1/3)·W_O·softmax(2·QKᵀ/d)·V
     block, x = blocks[0], torch.randn(2, 5, 16)
     attn = block.block.attn
+    with torch.no_grad():  # W_O and fc2 start at zero, which would hide the attention's and the MLP's factors
+        attn.proj.weight.normal_()
+        block.block.mlp.fc2.weight.normal_()
     q, k, v = attn.qkv(x).reshape(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
     heads = torch.softmax(2.0 * q @ k.transpose(-2, -1) / 8, dim=-1) @ v / 3
-    y = 0.75 * x + 0.25 * attn.proj(heads.transpose(1, 2).reshape(2, 5, 16))
+    y = 0.75 * x + 0.25 * heads.transpose(1, 2).reshape(2, 5, 16) @ attn.proj.weight.T  # W_O itself: it folds the 1/3
     torch.testing.assert_close(block(x), 0.75 * y + 0.25 * block.block.mlp(y), atol=1e-6, rtol=1e-5)
     assert isinstance(block.block.mlp.act, ScaledGELU)
     grid = torch.linspace(-6, 6, 20001, requires_grad=True)  # GELU/1.1289 is 1-Lipschitz (and only just)
@@ -78,8 +86,6 @@ def test_convex_residuals_take_one_pass_over_the_stream(kind):
     """x ← (1 − a)x + a·f(x) for the attention and the MLP, as ``torch.add(a·f, x, alpha=1 − a)``: the output and the
     gradients of the input and every parameter equal the formula's (float64, 1e-12), with two scalar products a
     block forward (a·f) where the formula took four ((1 − a)·x as well)."""
-    from stability.testing.profiling import dispatched
-
     block, x = convex_blocks()[kind]
     block, a = block.double().eval(), 0.3
     wrapped, x = ConvexResidualBlock(block, a), x.double().requires_grad_(True)
@@ -558,3 +564,133 @@ def test_the_vectorised_attention_bound_equals_the_head_by_head_one(biases, monk
 
     monkeypatch.setattr(transformer_bounds, "_dot_attention", one_head_short)
     assert not torch.allclose(bound_and_gradient()[0], reference[0], rtol=1e-6)
+
+
+def divisions_network(backbone: str, dtype: torch.dtype, folded: bool, monkeypatch,
+                      stabilizer: str = "lipschitz_transformer", options: dict | None = None) -> ImageClassifier:
+    """A Lipschitz transformer (seed 0; orthogonal weights, none zero; random biases, seed 1; dropout 0.2 between GELU
+    and fc2 on ViT) whose attention's 1/3 and GELU's 1/1.1289 are folded into the next Linear layer, or left where
+    they are (``after_prepare`` skipped)."""
+    size, backbone_options = (8, {**VIT, "proj_drop_rate": 0.2}) if backbone == "vit" else (16, None)
+    with monkeypatch.context() as patch:
+        if not folded:
+            patch.setattr(LipschitzTransformer, "after_prepare", lambda self, network: None)
+        torch.manual_seed(0)
+        module = ImageClassifier(backbone=backbone, image_size=size, backbone_options=backbone_options,
+                                 stabilizer=stabilizer, stabilizer_options={
+                                     "lipschitz_transformer": {"zero_init": False, "biases": True}, **(options or {})},
+                                 lr=1e-2).to(dtype).train()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in module.network.named_parameters():
+            if name.endswith("bias"):
+                parameter.copy_(torch.rand(parameter.shape, generator=gen, dtype=torch.float64) - 0.5)
+    return module
+
+
+def logits_and_gradients(module: ImageClassifier) -> dict[str, torch.Tensor]:
+    size = module.hparams.image_size
+    dtype = next(module.parameters()).dtype
+    images = torch.rand(3, 1, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype)
+    torch.manual_seed(3)  # the same dropout masks for both
+    logits = module(images)
+    (logits.square().sum() + torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2]))).backward()
+    return {"logits": logits.detach(), **{name: p.grad for name, p in module.named_parameters() if p.grad is not None}}
+
+
+@pytest.mark.parametrize("backbone", ["vit", "swin", "cswin"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_constant_divisions_folded_into_the_next_linear_give_the_same_outputs_and_gradients(backbone, dtype,
+                                                                                            tolerance, monkeypatch):
+    """The attention's (1/3)·softmax(…)V folded into W_O and GELU(h)/1.1289 into fc2 (W(c·h) + b = (c·W)h + b): the
+    logits and every parameter's gradient (biases among them) as with the divisions where they were, relative to each
+    tensor's largest entry, in training mode through dropout; ViT and Swin fold both, CSwin (whose attention adds its
+    positional term before W_O) only the MLPs'; the state dict's keys unchanged; the certified and the paper's bounds
+    identical."""
+    folded = divisions_network(backbone, dtype, True, monkeypatch)
+    apart = divisions_network(backbone, dtype, False, monkeypatch)
+    kernels = [m for m in folded.network.modules() if isinstance(m, LipschitzDotKernel)]
+    activations = [m for m in folded.network.modules() if isinstance(m, ScaledGELU)]
+    scaled = {round(m.input_scale, 12) for m in folded.network.modules() if isinstance(m, ScaledInputLinear)}
+    assert kernels and activations and all(m.folded for m in activations)
+    assert all(m.folded for m in kernels) == (backbone != "cswin") and (backbone != "cswin" or not any(
+        m.folded for m in kernels))
+    assert scaled == ({round(1 / 3, 12)} if backbone != "cswin" else set()) | {round(1 / GELU_LIPSCHITZ, 12)}
+    assert sum(isinstance(m, ScaledInputLinear) for m in folded.network.modules()) == \
+        len(activations) + (len(kernels) if backbone != "cswin" else 0)
+    assert not any(m.folded for m in apart.network.modules() if isinstance(m, (ScaledGELU, LipschitzDotKernel)))
+    assert list(folded.state_dict()) == list(apart.state_dict())
+    got, expected = logits_and_gradients(folded), logits_and_gradients(apart)
+    assert got.keys() == expected.keys() and any(name.endswith("bias") for name in got)
+    largest = max(float(t.abs().max()) for t in expected.values())
+    for name in expected:
+        # the keys' bias adds q·b_k to every logit of a row, which the softmax ignores: its gradient is zero but for
+        # rounding, and is compared to the largest gradient's size instead
+        scale = largest if name.endswith("k.bias") else expected[name].abs().max()
+        error = (got[name] - expected[name]).abs().max() / scale
+        assert error <= tolerance, (name, float(error))
+    if backbone == "vit" and dtype == torch.float64:
+        assert certified_bound(folded.network)[0].value == certified_bound(apart.network)[0].value
+        assert paper_bound(folded.network) == paper_bound(apart.network)
+
+
+def test_folded_divisions_leave_the_launches_and_move_the_scaling_onto_the_weights():
+    """Each fold trades the division of an activation (forward, and its gradient's backward) for a product of the
+    weight by the constant: two divisions fewer a fold (one forward), two products more, nothing else changed; a copy
+    keeps the fold."""
+    torch.manual_seed(0)
+    module = lipschitz_transformer(zero_init=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LipschitzTransformer, "after_prepare", lambda self, network: None)
+        torch.manual_seed(0)
+        apart = lipschitz_transformer(zero_init=False)
+    images = torch.rand(2, 1, 8, 8)
+
+    def step(network):
+        return lambda: network(images).square().sum().backward()
+
+    counts = [dispatched(step(network)) for network in (module.network, apart.network)]
+    folds = 2 * VIT["depth"]
+    change = counts[0].copy()
+    change.subtract(counts[1])
+    assert {op: n for op, n in change.items() if n} == {"div": -2 * folds, "mul": 2 * folds}
+    forward = [dispatched(lambda network=network: network(images)) for network in (module.network, apart.network)]
+    assert forward[0]["div"] == forward[1]["div"] - folds
+    torch.testing.assert_close(copy.deepcopy(module.network)(images), apart.network(images))
+
+
+def test_divisions_stay_where_the_next_layer_cannot_take_them(monkeypatch):
+    """A parametrised W_O or fc2 (another stabilizer's) and an MLP with a normalisation between the activation and fc2
+    keep their divisions; folding twice does nothing more; ``fold_input_scale`` refuses what it cannot fold."""
+    module = divisions_network("vit", torch.float64, False, monkeypatch)
+    blocks = module.network.backbone.blocks
+    parametrize.register_parametrization(blocks[0].block.attn.proj, "weight", nn.Identity())
+    parametrize.register_parametrization(blocks[0].block.mlp.fc2, "weight", nn.Identity())
+    blocks[1].block.mlp.norm = nn.LayerNorm(blocks[1].block.mlp.fc2.in_features).double()
+    module.stabilizers[0].after_prepare(module.network)
+    assert not blocks[0].block.attn.kernel.folded and not blocks[0].block.mlp.act.folded
+    assert blocks[1].block.attn.kernel.folded and not blocks[1].block.mlp.act.folded
+    assert type(blocks[1].block.mlp.fc2) is nn.Linear and type(blocks[1].block.attn.proj) is ScaledInputLinear
+    module.stabilizers[0].after_prepare(module.network)  # again: nothing folds twice
+    assert blocks[1].block.attn.proj.input_scale == pytest.approx(1 / 3, rel=1e-15)
+    with pytest.raises(ValueError, match="plain nn.Linear"):
+        fold_input_scale(blocks[1].block.attn.proj, 0.5)
+    with pytest.raises(ValueError, match="finite, non-zero float"):
+        fold_input_scale(nn.Linear(2, 2), float("nan"))
+
+
+@pytest.mark.parametrize("backbone", ["vit", "swin"])
+def test_folded_divisions_under_bf16_autocast_keep_the_logits_to_bf16s_rounding(backbone, monkeypatch):
+    """Under the CPU's bf16 autocast (the rounding a GPU's bf16-mixed run makes), the folded network's logits are as
+    close to the float64 network's as the unfolded one's: its bf16 product rounds c·W where the division rounded c·h,
+    roundings of one size."""
+    folded = divisions_network(backbone, torch.float32, True, monkeypatch).eval()
+    apart = divisions_network(backbone, torch.float32, False, monkeypatch).eval()
+    size = folded.hparams.image_size
+    images = torch.rand(4, 1, size, size, generator=torch.Generator().manual_seed(2))
+    exact = copy.deepcopy(apart).double()(images.double())
+    errors = []
+    for module in (folded, apart):
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            errors.append(float((module(images).double() - exact).abs().max() / exact.abs().max()))
+    assert max(errors) < 2e-2 and errors[0] < 3 * errors[1] + 1e-3, errors

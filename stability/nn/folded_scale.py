@@ -1,4 +1,5 @@
-"""A per-channel output scale folded into the Linear layer that writes the output.
+"""Scales folded into the Linear layers next to them: a per-channel scale of a Linear layer's output, and a constant
+factor of its input.
 
 LipsFormer's weighted residual x + α ⊙ f(x) (Qi et al. 2023, Sec. 4.1.3) ends most branches in a Linear layer,
 f(x) = W h + b, followed only by operations that act on each token's channels one by one (dropout, DropPath, Swin's
@@ -15,8 +16,18 @@ step makes too and α ⊙ y's written-out backward wrote in its own product) are
 followed by α ⊙ y instead (:func:`folds_at`). The weight and bias stay the unscaled W and b, and α stays a parameter
 of its own module: the state dict, the optimizers' parameters, the constraints and the certified bounds read what
 they read before.
+
+The Lipschitz transformer (Newhouse et al. 2025) divides two activations by constants that keep each layer
+1-Lipschitz: the attention's output by 3 before W_O, and GELU's by max|GELU'| ≈ 1.1289 before the MLP's second Linear
+layer. A constant factor of a Linear layer's input is one of its weight, W (c·h) + b = (c·W) h + b: the product
+computes it (:class:`ScaledInputLinear`) for the cost of scaling the weight, forward and backward, where c·h read and
+wrote the whole activation each way (the attention's (B, N, D) output, the MLP's (B, N, 4D) hidden layer) with the
+same number of launches; so it folds at every size. ``W`` stays the parameter it was, and the layer that divided
+keeps its type and its place (the bounds read the 1/3 and the 1-Lipschitz activation from it, as before).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -76,3 +87,28 @@ def fold_output_scale(linear: nn.Linear, scale: nn.Module) -> None:
                          f"{linear.out_features} outputs of the Linear layer")
     linear.__class__ = ScaledOutputLinear
     object.__setattr__(linear, "output_scale", scale)  # a reference, not a submodule (no second name for α)
+
+
+class ScaledInputLinear(nn.Linear):
+    """``nn.Linear`` of ``input_scale``·x: F.linear(x, ``input_scale``·W, b) (see :func:`fold_input_scale`)."""
+
+    input_scale: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.input_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, input scaled by {self.input_scale:.6g}"
+
+
+def fold_input_scale(linear: nn.Linear, scale: float) -> None:
+    """Make ``linear`` (a plain ``nn.Linear``) compute W (``scale``·x) + b as (``scale``·W) x + b
+    (:class:`ScaledInputLinear`): its parameters and their names unchanged. The caller makes the layer that applied
+    ``scale`` stop applying it."""
+    if type(linear) is not nn.Linear:
+        raise ValueError(f"fold_input_scale: needs a plain nn.Linear (not parametrised, not a subclass), got "
+                         f"{type(linear).__name__}")
+    if not (isinstance(scale, float) and math.isfinite(scale) and scale != 0.0):
+        raise ValueError(f"fold_input_scale: the scale must be a finite, non-zero float, got {scale!r}")
+    linear.__class__ = ScaledInputLinear
+    linear.input_scale = scale

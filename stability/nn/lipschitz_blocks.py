@@ -13,10 +13,16 @@ GELU_LIPSCHITZ = 0.5 * (1 + math.erf(1.0)) + math.sqrt(2) * math.exp(-1.0) / mat
 
 
 class ScaledGELU(nn.Module):
-    """GELU(x) / max|GELU'| (≈ 1.1289): 1-Lipschitz."""
+    """GELU(x) / max|GELU'| (≈ 1.1289): 1-Lipschitz. ``folded``: the Linear layer that reads the output divides
+    already (:func:`~stability.nn.folded_scale.fold_input_scale`), and this module returns GELU(x)."""
+
+    folded = False  # a class default: modules pickled before it existed read it too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x) / GELU_LIPSCHITZ
+        return F.gelu(x) if self.folded else F.gelu(x) / GELU_LIPSCHITZ
+
+    def extra_repr(self) -> str:
+        return "1/1.1289 folded into the Linear layer that reads its output" if self.folded else ""
 
 
 class MaxMin(nn.Module):
@@ -79,7 +85,10 @@ def activation_lipschitz(act: nn.Module) -> float | None:
 
 class LipschitzDotKernel(nn.Module):
     """(1/3)·softmax(s·QKᵀ/d + B)·V per head: the attention of Newhouse et al.'s Lipschitz
-    transformer (1/d instead of 1/√d; the 1/3 sits before W_O)."""
+    transformer (1/d instead of 1/√d; the 1/3 sits before W_O). ``folded``: W_O's Linear layer divides by 3 already
+    (:func:`~stability.nn.folded_scale.fold_input_scale`), and this kernel returns softmax(…)·V."""
+
+    folded = False  # a class default: modules pickled before it existed read it too
 
     def __init__(self, head_dim: int, s: float = 1.0) -> None:
         super().__init__()
@@ -96,7 +105,10 @@ class LipschitzDotKernel(nn.Module):
                                                  dropout_p=attn_drop.p if self.training else 0.0)
         else:
             out = attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
-        return out / 3.0
+        return out if self.folded else out / 3.0
+
+    def extra_repr(self) -> str:
+        return f"s={self.s}, head_dim={self.head_dim}" + (", 1/3 folded into W_O" if self.folded else "")
 
 
 class FlattenLinear(nn.Linear):

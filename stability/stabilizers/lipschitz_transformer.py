@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 from timm.layers import Attention as TimmAttention
+from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -41,6 +42,7 @@ from ..lipschitz.certified import Bound, certified_bound
 from ..lipschitz.transformer_bounds import NotALipschitzTransformer, paper_bound
 from ..models import (
     KernelAttention,
+    KernelWindowAttention,
     attention_sites,
     linear_patch_embedding,
     linear_role,
@@ -55,8 +57,10 @@ from ..models import (
 )
 from ..nn.aol import AOLConv2d, AOLLinear
 from ..nn.constraints import orthogonal_rms_
+from ..nn.folded_scale import fold_input_scale
 from ..nn.l2_attention import L2MultiHeadAttention
 from ..nn.lipschitz_blocks import (
+    GELU_LIPSCHITZ,
     FlattenLinear,
     LipschitzDotKernel,
     MaxMin,
@@ -155,6 +159,25 @@ class LipschitzTransformer(Stabilizer):
         self._initialise(backbone)
         self._bound_tokens(backbone)
         network.logit_scale = self.logit_scale
+
+    def after_prepare(self, network: nn.Module) -> None:
+        """The attention's 1/3 folded into W_O, and GELU's 1/1.1289 into the MLP's second Linear layer
+        (:func:`~stability.nn.folded_scale.fold_input_scale`: W(c·h) computed as (c·W)h, the same function without a
+        pass over the activation each way), where the final architecture allows it: ViT's and Swin's attention (the
+        kernel's output goes straight to W_O; CSwin adds its positional term first) and timm's MLP with dropout alone
+        between the activation and fc2, the Linear layer still a plain ``nn.Linear`` (not parametrised by another
+        stabilizer). Elsewhere the division stays where it was."""
+        backbone = network.backbone if hasattr(network, "backbone") else network
+        for module in backbone.modules():
+            if (type(module) in (KernelAttention, KernelWindowAttention) and type(module.kernel) is LipschitzDotKernel
+                    and type(module.proj) is nn.Linear and not module.kernel.folded):
+                fold_input_scale(module.proj, 1 / 3)
+                module.kernel.folded = True
+            elif (type(module) is Mlp and type(module.act) is ScaledGELU and type(module.fc2) is nn.Linear
+                  and type(module.drop1) in (nn.Dropout, nn.Identity) and type(module.norm) is nn.Identity
+                  and not module.act.folded):
+                fold_input_scale(module.fc2, 1 / GELU_LIPSCHITZ)
+                module.act.folded = True
 
     def _vit_sites(self, backbone: nn.Module):
         sites = attention_sites(backbone)
