@@ -1154,3 +1154,34 @@ def test_the_shipped_gpu_model_is_the_fit_of_the_committed_counts(benchmark_modu
     for name in ("launch_s", "kernel_s", "bytes_per_s"):
         assert getattr(shipped, name) == pytest.approx(getattr(refitted, name), rel=1e-3), name
     assert shipped.flops_per_s == pytest.approx(refitted.flops_per_s, rel=1e-3)
+
+
+def test_operator_bytes_splits_a_rows_difference_by_operator(benchmark_modules, tmp_path):
+    """A row's bytes and launches less the reference's, by operator, largest change first, summing to the rows'
+    difference; counts kept before bytes were kept by operator, and an unknown row, are refused by name."""
+    from collections import Counter
+
+    from operator_bytes import difference, table
+
+    from stability.testing.gpu_model import StepCounts
+
+    flops = {"bf16": 0.0, "tf32": 0.0, "fp32": 0.0}
+    reference = StepCounts(3, flops, 7e9, 0.0, Counter(gelu=1, add=2), 0.0, Counter(gelu=4e9, add=3e9))
+    row = StepCounts(6, flops, 9.5e9, 0.0, Counter(gelu=1, add=1, mul=3, div=1), 0.0,
+                     Counter(gelu=4e9, add=1e9, mul=4.5e9))
+    changes = difference(row, reference)
+    assert changes == [("mul", 3.0, 4.5e9), ("add", -1.0, -2e9), ("div", 1.0, 0.0)]
+    assert sum(moved for _, _, moved in changes) == row.bytes - reference.bytes
+    text = table(changes, blocks=2, top=2)
+    assert "| mul | +3 | +4.500 | +2.250 |" in text and "| 1 others | +1 | +0.000 | +0.000 |" in text
+    assert text.splitlines()[-1] == "| **total** | +3 | +2.500 | +1.250 |"
+    with pytest.raises(ValueError, match="reference's counts were kept before bytes were kept by operator"):
+        difference(row, StepCounts(3, flops, 7e9, 0.0, Counter(gelu=1)))
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({"key": "vit:small", "counts": {"none": reference.to_dict(), "row": row.to_dict()}}))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "operator_bytes.py"), str(counts), "row",
+                           "--blocks", "2"], capture_output=True, text=True, check=True)
+    assert "| mul | +3 | +4.500 | +2.250 |" in done.stdout
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "operator_bytes.py"), str(counts),
+                              "lipsformer"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "no row 'lipsformer'; its rows: none, row" in refused.stderr

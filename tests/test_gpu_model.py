@@ -3,6 +3,7 @@ product's FLOPs by the precision it runs in, no launch for a view or an allocati
 the extrapolation over depth and batch is exact, the CUDA path is taken on the CPU, and the fit recovers constants
 that made the data (and fails to when the data are made by another form)."""
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -152,12 +153,15 @@ def test_depth_and_batch_extrapolate_exactly():
     """Counts made bilinear in depth and batch are recovered anywhere from the four corners."""
     def made(depth, batch):
         return StepCounts(10 + 7 * depth, {"bf16": 3 + 5 * depth * batch + 2 * batch, "tf32": 0.0, "fp32": depth},
-                          11 * batch + 13 * depth * batch, 0.0, norm_rows=17 * batch + 19 * depth * batch)
+                          11 * batch + 13 * depth * batch + (depth - 1) * batch, 0.0,
+                          norm_rows=17 * batch + 19 * depth * batch,
+                          op_bytes=+Counter(add=11 * batch, mul=13 * depth * batch, div=(depth - 1) * batch))
 
     corners = {(d, b): made(d, b) for d in (1, 2) for b in (2, 4)}
     far = extrapolate(corners, 12, 256)
     assert far.launches == made(12, 256).launches and far.bytes == made(12, 256).bytes
     assert far.flops == made(12, 256).flops and far.norm_rows == made(12, 256).norm_rows
+    assert far.op_bytes == made(12, 256).op_bytes
     corners[1, 4] = StepCounts(18, {"bf16": 0.0, "tf32": 0.0, "fp32": 0.0}, 0.0, 0.0)  # one launch more at batch 4
     with pytest.raises(ValueError, match="launches changed with the batch"):
         extrapolate(corners, 12, 256)
@@ -329,3 +333,32 @@ def test_a_product_in_place_is_counted_as_a_product():
     assert in_place.bytes == 0 and in_place.launches == 1
     n = m.clone()
     assert count(lambda: n.addmm_(m, m)).flops["fp32"] == 2 * 8 ** 3
+
+
+def test_bytes_by_operator_sum_to_the_steps_bytes_and_survive_the_json():
+    """``op_bytes`` splits ``bytes`` by the operators of ``ops`` (a matrix product's hidden copy its own entry, the
+    product itself none: its bytes are not priced), sums to it exactly after extrapolation too, and is kept by
+    ``to_dict`` / ``from_dict``; counts kept before it existed read as empty."""
+    x = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(5, 8, requires_grad=True)
+
+    stack = torch.randn(2, 3, 3)
+
+    def step(batch):
+        torch.baddbmm(stack, stack, stack)  # out of place with β = 1: CUDA copies the input into the result first
+        h = torch.nn.functional.linear(x[:batch], weight)
+        torch.nn.functional.gelu(h).mul(2.0).sum().backward()
+
+    counts = count(lambda: step(6))
+    assert counts.bytes > 0 and sum(counts.op_bytes.values()) == counts.bytes
+    assert set(counts.op_bytes) <= set(counts.ops) and counts.op_bytes["gelu"] == 2 * 6 * 5 * 4
+    assert counts.op_bytes["baddbmm's copy"] == 2 * stack.numel() * 4 and not any(
+        name in counts.op_bytes for name in ("mm", "baddbmm"))
+    corners = {(d, b): count(lambda b=b: step(b)) for d in (1, 2) for b in (2, 4)}
+    far = extrapolate(corners, 3, 6)
+    assert sum(far.op_bytes.values()) == pytest.approx(far.bytes, rel=1e-12)
+    again = StepCounts.from_dict(counts.to_dict())
+    assert again.op_bytes == counts.op_bytes and again.bytes == counts.bytes
+    old = counts.to_dict()
+    del old["op_bytes"]
+    assert StepCounts.from_dict(old).op_bytes == Counter()

@@ -117,7 +117,8 @@ def matrix_flops(func, args: tuple, kwargs: dict, out: Any) -> int | None:
 @dataclass
 class StepCounts:
     """What a step launches (``launches``), multiplies (``flops`` by precision) and moves (``bytes``, the operators
-    that are not matrix products); ``ops`` counts the launches by operator, ``syncs`` the reads back to the host."""
+    that are not matrix products); ``ops`` counts the launches by operator and ``op_bytes`` the bytes (they sum to
+    ``bytes``), ``syncs`` the reads back to the host."""
 
     launches: float = 0.0
     flops: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PRECISIONS, 0.0))
@@ -129,6 +130,9 @@ class StepCounts:
     # were counted (a model that prices them refuses those)
     norm_rows: float = 0.0
 
+    # bytes by operator, the names of ``ops``; empty in counts made before they were kept
+    op_bytes: Counter = field(default_factory=Counter)
+
     def features(self) -> np.ndarray:
         return np.array([self.launches, self.bytes, *(self.flops.get(p, 0.0) for p in PRECISIONS)], dtype=float)
 
@@ -138,12 +142,13 @@ class StepCounts:
     def to_dict(self) -> dict:
         # the operators sorted: a recount diffs by its changes only
         return {"launches": self.launches, "flops": self.flops, "bytes": self.bytes, "syncs": self.syncs,
-                "norm_rows": self.norm_rows, "ops": dict(sorted(self.ops.items()))}
+                "norm_rows": self.norm_rows, "ops": dict(sorted(self.ops.items())),
+                "op_bytes": {name: round(value) for name, value in sorted(self.op_bytes.items()) if value}}
 
     @classmethod
     def from_dict(cls, data: dict) -> StepCounts:
         return cls(data["launches"], dict(data["flops"]), data["bytes"], data["syncs"], Counter(data["ops"]),
-                   data.get("norm_rows", math.nan))
+                   data.get("norm_rows", math.nan), Counter(data.get("op_bytes", {})))
 
 
 LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -306,20 +311,24 @@ class KernelCounter(TorchDispatchMode):
         if flops is not None:
             dtype = next(_tensors(args)).dtype
             counts.flops[matmul_precision(dtype)] = counts.flops.get(matmul_precision(dtype), 0.0) + flops
-        elif name in READS_WHAT_IT_PICKS:
-            counts.bytes += _picked_bytes(args, kwargs, out)
-        elif name in WRITES_WHAT_IT_PICKS:
-            counts.bytes += _scattered_bytes(name, args, kwargs)
-        elif name in WRITES_ONLY:
-            counts.bytes += _bytes(out)
         else:
-            counts.bytes += _bytes(args, kwargs, out)
+            if name in READS_WHAT_IT_PICKS:
+                moved = _picked_bytes(args, kwargs, out)
+            elif name in WRITES_WHAT_IT_PICKS:
+                moved = _scattered_bytes(name, args, kwargs)
+            elif name in WRITES_ONLY:
+                moved = _bytes(out)
+            else:
+                moved = _bytes(args, kwargs, out)
+            counts.bytes += moved
+            counts.op_bytes[name] += moved
         counts.norm_rows += norm_rows(func, args, kwargs)
         for copied in [hidden_copy(func, args, kwargs, out), *norm_copies(func, args)]:
             if copied:
                 counts.launches += 1
                 counts.ops[f"{name}'s copy"] += 1
                 counts.bytes += copied
+                counts.op_bytes[f"{name}'s copy"] += copied
         return out
 
 
@@ -351,9 +360,12 @@ def extrapolate(counts: dict[tuple[int, int], StepCounts], depth: int, batch: in
 
     names = set(counts[d1, b0].ops) | set(counts[d0, b0].ops)
     ops = Counter({name: round(at(lambda c, n=name: c.ops.get(n, 0))) for name in names})
+    moved = set().union(*(c.op_bytes for c in counts.values()))
+    op_bytes = Counter({name: at(lambda c, n=name: c.op_bytes.get(n, 0)) for name in moved})
     launches = counts[d0, b1].launches + (counts[d1, b1].launches - counts[d0, b1].launches) * u  # the larger batch's
     return StepCounts(round(launches), {p: at(lambda c, p=p: c.flops.get(p, 0.0)) for p in PRECISIONS},
-                      at(lambda c: c.bytes), at(lambda c: c.syncs), +ops, at(lambda c: c.norm_rows))
+                      at(lambda c: c.bytes), at(lambda c: c.syncs), +ops, at(lambda c: c.norm_rows),
+                      Counter({name: value for name, value in op_bytes.items() if value}))
 
 
 @contextlib.contextmanager
