@@ -1180,8 +1180,8 @@ def test_operator_bytes_splits_a_rows_difference_by_operator(benchmark_modules, 
     counts = tmp_path / "counts.json"
     counts.write_text(json.dumps({"key": "vit:small", "counts": {"none": reference.to_dict(), "row": row.to_dict()}}))
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "operator_bytes.py"), str(counts), "row",
-                           "--blocks", "2"], capture_output=True, text=True, check=True)
+                           "--blocks", "2"], capture_output=True, text=True, check=True, cwd=ROOT)
     assert "| mul | +3 | +4.500 | +2.250 |" in done.stdout
     refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "operator_bytes.py"), str(counts),
-                              "lipsformer"], capture_output=True, text=True)
+                              "lipsformer"], capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode != 0 and "no row 'lipsformer'; its rows: none, row" in refused.stderr

@@ -24,7 +24,9 @@ def hybrid(attention="l2_unit", seed=0, **options) -> Network:
     parameter random (the bounds hold for every weight), in float64."""
     torch.manual_seed(seed)
     net = Network(build_backbone("hybrid", "micro", img_size=8, in_chans=1, num_classes=10, **options), MEAN, STD)
-    LipschitzTransformer(attention=attention, activation="maxmin", pooling="flatten").prepare(net)
+    architecture = LipschitzTransformer(attention=attention, activation="maxmin", pooling="flatten")
+    architecture.prepare(net)
+    architecture.after_prepare(net)  # as a run has it: the dot attention's 1/3 taken by W_O
     net = net.double()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -61,7 +61,9 @@ def test_architecture_is_the_papers():
     q, k, v = attn.qkv(x).reshape(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
     heads = torch.softmax(2.0 * q @ k.transpose(-2, -1) / 8, dim=-1) @ v / 3
     y = 0.75 * x + 0.25 * heads.transpose(1, 2).reshape(2, 5, 16) @ attn.proj.weight.T  # W_O itself: it folds the 1/3
-    torch.testing.assert_close(block(x), 0.75 * y + 0.25 * block.block.mlp(y), atol=1e-6, rtol=1e-5)
+    mlp = block.block.mlp  # GELU/1.1289 between its two weights (fc2 folds the division)
+    hidden = torch.nn.functional.gelu(y @ mlp.fc1.weight.T) / GELU_LIPSCHITZ
+    torch.testing.assert_close(block(x), 0.75 * y + 0.25 * hidden @ mlp.fc2.weight.T, atol=1e-6, rtol=1e-5)
     assert isinstance(block.block.mlp.act, ScaledGELU)
     grid = torch.linspace(-6, 6, 20001, requires_grad=True)  # GELU/1.1289 is 1-Lipschitz (and only just)
     (slope,) = torch.autograd.grad(ScaledGELU()(grid).sum(), grid)
@@ -571,7 +573,8 @@ def divisions_network(backbone: str, dtype: torch.dtype, folded: bool, monkeypat
     """A Lipschitz transformer (seed 0; orthogonal weights, none zero; random biases, seed 1; dropout 0.2 between GELU
     and fc2 on ViT) whose attention's 1/3 and GELU's 1/1.1289 are folded into the next Linear layer, or left where
     they are (``after_prepare`` skipped)."""
-    size, backbone_options = (8, {**VIT, "proj_drop_rate": 0.2}) if backbone == "vit" else (16, None)
+    size = 16 if backbone in ("swin", "cswin") else 8
+    backbone_options = {**VIT, "proj_drop_rate": 0.2} if backbone == "vit" else None
     with monkeypatch.context() as patch:
         if not folded:
             patch.setattr(LipschitzTransformer, "after_prepare", lambda self, network: None)
@@ -598,15 +601,16 @@ def logits_and_gradients(module: ImageClassifier) -> dict[str, torch.Tensor]:
     return {"logits": logits.detach(), **{name: p.grad for name, p in module.named_parameters() if p.grad is not None}}
 
 
-@pytest.mark.parametrize("backbone", ["vit", "swin", "cswin"])
+@pytest.mark.parametrize("backbone", ["vit", "swin", "cswin", "hybrid"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_constant_divisions_folded_into_the_next_linear_give_the_same_outputs_and_gradients(backbone, dtype,
                                                                                             tolerance, monkeypatch):
     """The attention's (1/3)·softmax(…)V folded into W_O and GELU(h)/1.1289 into fc2 (W(c·h) + b = (c·W)h + b): the
     logits and every parameter's gradient (biases among them) as with the divisions where they were, relative to each
-    tensor's largest entry, in training mode through dropout; ViT and Swin fold both, CSwin (whose attention adds its
-    positional term before W_O) only the MLPs'; the state dict's keys unchanged; the certified and the paper's bounds
-    identical."""
+    tensor's largest entry, in training mode through dropout; ViT, Swin and the hybrid fold both, CSwin (whose
+    attention adds its positional term before W_O) only the MLPs'; the state dict's keys unchanged; the weights
+    unchanged, so that the certified and the paper's bounds, which read them and take the 1/3 and the 1/1.1289
+    themselves, are those of the network (a fold that scaled W in place would shrink them by 3)."""
     folded = divisions_network(backbone, dtype, True, monkeypatch)
     apart = divisions_network(backbone, dtype, False, monkeypatch)
     kernels = [m for m in folded.network.modules() if isinstance(m, LipschitzDotKernel)]
@@ -629,9 +633,26 @@ def test_constant_divisions_folded_into_the_next_linear_give_the_same_outputs_an
         scale = largest if name.endswith("k.bias") else expected[name].abs().max()
         error = (got[name] - expected[name]).abs().max() / scale
         assert error <= tolerance, (name, float(error))
-    if backbone == "vit" and dtype == torch.float64:
+    if backbone in ("vit", "hybrid") and dtype == torch.float64:
         assert certified_bound(folded.network)[0].value == certified_bound(apart.network)[0].value
-        assert paper_bound(folded.network) == paper_bound(apart.network)
+        if backbone == "vit":  # the paper's bound is the ViT's (the hybrid's stem has none)
+            assert paper_bound(folded.network) == paper_bound(apart.network)
+
+
+@pytest.mark.parametrize("part", ["kernel", "act"])
+def test_a_division_folded_inconsistently_leaves_no_bound(part, monkeypatch):
+    """The bounds take the attention's 1/3 and GELU's 1/1.1289 themselves: a network where a division is off but the
+    next Linear layer does not take it (or takes another constant, or takes it while the division is on) is not the
+    function they bound, and gets none, with the reason."""
+    module = divisions_network("vit", torch.float64, True, monkeypatch)
+    block = module.network.backbone.blocks[0].block
+    divides, linear = (block.attn.kernel, block.attn.proj) if part == "kernel" else (block.mlp.act, block.mlp.fc2)
+    assert certified_bound(module.network)[0] is not None
+    divides.folded = False  # the division on, and the Linear layer still taking it
+    bound, reason = certified_bound(module.network)
+    assert bound is None and "folded into the next Linear layer inconsistently" in reason
+    divides.folded, linear.input_scale = True, 2 * linear.input_scale  # another constant
+    assert certified_bound(module.network)[0] is None
 
 
 def test_folded_divisions_leave_the_launches_and_move_the_scaling_onto_the_weights():

@@ -49,8 +49,9 @@ from torch import nn
 
 from ..models import AttentionSite, ConvexResidualBlock, PatchLinear, vit_tokens
 from ..models.hybrid import AOLStem, is_stem
+from ..nn.folded_scale import ScaledInputLinear
 from ..nn.l2_attention import L2MultiHeadAttention, l2_attention_bound, unit_divisor
-from ..nn.lipschitz_blocks import LipschitzDotKernel, activation_lipschitz, effective_weight
+from ..nn.lipschitz_blocks import GELU_LIPSCHITZ, LipschitzDotKernel, activation_lipschitz, effective_weight
 from ..nn.token_mixing import TokenMixing
 
 
@@ -106,9 +107,24 @@ def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d
             raise NotALipschitzTransformer("a LayerNorm inside a block (it has no global bound)")
         if activation_lipschitz(block.mlp.act) is None:
             raise NotALipschitzTransformer(f"activation {type(block.mlp.act).__name__}")
+        _check_folds(block)
     if not isinstance(backbone.head, nn.Linear):
         raise NotALipschitzTransformer("the classifier head is not a Linear layer")
     return backbone, embed, blocks
+
+
+def _check_folds(block: nn.Module) -> None:
+    """The bounds take the attention's 1/3 and GELU's 1/1.1289 where the paper puts them, and read W_O's and fc2's
+    weights as they are: a division folded into the next Linear layer
+    (:func:`~stability.nn.folded_scale.fold_input_scale`) must be there, with its constant, and only where the
+    division is off (NotALipschitzTransformer otherwise: the network would not be the function bounded)."""
+    pairs = ((getattr(block.attn, "kernel", None), getattr(block.attn, "proj", None), 1 / 3, "the attention's 1/3"),
+             (block.mlp.act, getattr(block.mlp, "fc2", None), 1 / GELU_LIPSCHITZ, "GELU's 1/1.1289"))
+    for divides, linear, scale, what in pairs:
+        scaled = isinstance(linear, ScaledInputLinear)
+        if getattr(divides, "folded", False) != scaled or (scaled and not math.isclose(linear.input_scale, scale,
+                                                                                        rel_tol=1e-12)):
+            raise NotALipschitzTransformer(f"{what} folded into the next Linear layer inconsistently")
 
 
 def _patch_size(backbone: VisionTransformer) -> tuple[int, int]:

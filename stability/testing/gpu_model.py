@@ -130,7 +130,8 @@ class StepCounts:
     # were counted (a model that prices them refuses those)
     norm_rows: float = 0.0
 
-    # bytes by operator, the names of ``ops``; empty in counts made before they were kept
+    # bytes by operator (named as in ``ops``; extrapolated counts may name an operator of some corners only); empty in
+    # counts made before they were kept
     op_bytes: Counter = field(default_factory=Counter)
 
     def features(self) -> np.ndarray:
@@ -143,7 +144,7 @@ class StepCounts:
         # the operators sorted: a recount diffs by its changes only
         return {"launches": self.launches, "flops": self.flops, "bytes": self.bytes, "syncs": self.syncs,
                 "norm_rows": self.norm_rows, "ops": dict(sorted(self.ops.items())),
-                "op_bytes": {name: round(value) for name, value in sorted(self.op_bytes.items()) if value}}
+                "op_bytes": {name: round(value) for name, value in sorted(self.op_bytes.items()) if round(value)}}
 
     @classmethod
     def from_dict(cls, data: dict) -> StepCounts:
