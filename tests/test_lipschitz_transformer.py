@@ -641,9 +641,10 @@ def test_constant_divisions_folded_into_the_next_linear_give_the_same_outputs_an
 
 @pytest.mark.parametrize("part", ["kernel", "act"])
 def test_a_division_folded_inconsistently_leaves_no_bound(part, monkeypatch):
-    """The bounds take the attention's 1/3 and GELU's 1/1.1289 themselves: a network where a division is off but the
-    next Linear layer does not take it (or takes another constant, or takes it while the division is on) is not the
-    function they bound, and gets none, with the reason."""
+    """The bounds take the attention's 1/3 and GELU's 1/1.1289 themselves: a network where the next Linear layer takes
+    a division that is still on, or another constant, or where a division is off and nothing takes it (the network
+    then 3× or 1.1289× above the function bounded) is not the function they bound, and gets none, with the
+    reason."""
     module = divisions_network("vit", torch.float64, True, monkeypatch)
     block = module.network.backbone.blocks[0].block
     divides, linear = (block.attn.kernel, block.attn.proj) if part == "kernel" else (block.mlp.act, block.mlp.fc2)
@@ -652,7 +653,11 @@ def test_a_division_folded_inconsistently_leaves_no_bound(part, monkeypatch):
     bound, reason = certified_bound(module.network)
     assert bound is None and "folded into the next Linear layer inconsistently" in reason
     divides.folded, linear.input_scale = True, 2 * linear.input_scale  # another constant
-    assert certified_bound(module.network)[0] is None
+    bound, reason = certified_bound(module.network)
+    assert bound is None and "folded into the next Linear layer inconsistently" in reason
+    linear.__class__ = nn.Linear  # the division off and taken by nothing: the network above the function bounded
+    bound, reason = certified_bound(module.network)
+    assert bound is None and "folded into the next Linear layer inconsistently" in reason
 
 
 def test_folded_divisions_leave_the_launches_and_move_the_scaling_onto_the_weights():
