@@ -13,16 +13,12 @@ count them again (``step_cost.py --count --recount``).
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 
+from step_cost import kept_counts
+
 from stability.testing.gpu_model import StepCounts
-
-
-def kept(path: Path) -> dict[str, StepCounts]:
-    """The counts of ``path`` (``step_cost.py --count``'s <out>.json), by row label."""
-    return {label: StepCounts.from_dict(value) for label, value in json.loads(path.read_text())["counts"].items()}
 
 
 def difference(row: StepCounts, reference: StepCounts) -> list[tuple[str, float, float]]:
@@ -66,7 +62,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12, help="divide by this many blocks (default: ViT-S's 12)")
     parser.add_argument("--top", type=int, default=20, help="operators shown (the rest summed; 0: all)")
     args = parser.parse_args()
-    counts = kept(args.counts)
+    counts = kept_counts(args.counts)
     missing = [label for label in (args.row, args.reference) if label not in counts]
     if missing:
         raise SystemExit(f"{args.counts}: no row {', '.join(map(repr, missing))}; its rows: {', '.join(counts)}")

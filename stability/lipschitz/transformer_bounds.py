@@ -114,10 +114,10 @@ def _parts(network: nn.Module) -> tuple[VisionTransformer, nn.Linear | nn.Conv2d
 
 
 def _check_folds(block: nn.Module) -> None:
-    """The bounds take the attention's 1/3 and GELU's 1/1.1289 where the paper puts them, and read W_O's and fc2's
-    weights as they are: a division folded into the next Linear layer
-    (:func:`~stability.nn.folded_scale.fold_input_scale`) must be there, with its constant, and only where the
-    division is off (NotALipschitzTransformer otherwise: the network would not be the function bounded)."""
+    """The bounds take the attention's 1/3 and GELU's 1/1.1289 where the paper puts them (the constants below are
+    theirs, not read from the modules), and read W_O's and fc2's weights as they are: a division folded into the next
+    Linear layer (:func:`~stability.nn.folded_scale.fold_input_scale`) must be there, with its constant, and only
+    where the division is off (NotALipschitzTransformer otherwise: the network would not be the function bounded)."""
     pairs = ((getattr(block.attn, "kernel", None), getattr(block.attn, "proj", None), 1 / 3, "the attention's 1/3"),
              (block.mlp.act, getattr(block.mlp, "fc2", None), 1 / GELU_LIPSCHITZ, "GELU's 1/1.1289"))
     for divides, linear, scale, what in pairs:

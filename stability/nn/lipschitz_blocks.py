@@ -16,10 +16,11 @@ class ScaledGELU(nn.Module):
     """GELU(x) / max|GELU'| (≈ 1.1289): 1-Lipschitz. ``folded``: the Linear layer that reads the output divides
     already (:func:`~stability.nn.folded_scale.fold_input_scale`), and this module returns GELU(x)."""
 
+    divisor = GELU_LIPSCHITZ
     folded = False  # a class default: modules pickled before it existed read it too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x) if self.folded else F.gelu(x) / GELU_LIPSCHITZ
+        return F.gelu(x) if self.folded else F.gelu(x) / self.divisor
 
     def extra_repr(self) -> str:
         return "1/1.1289 folded into the Linear layer that reads its output" if self.folded else ""
@@ -88,6 +89,7 @@ class LipschitzDotKernel(nn.Module):
     transformer (1/d instead of 1/√d; the 1/3 sits before W_O). ``folded``: W_O's Linear layer divides by 3 already
     (:func:`~stability.nn.folded_scale.fold_input_scale`), and this kernel returns softmax(…)·V."""
 
+    divisor = 3.0
     folded = False  # a class default: modules pickled before it existed read it too
 
     def __init__(self, head_dim: int, s: float = 1.0) -> None:
@@ -105,7 +107,7 @@ class LipschitzDotKernel(nn.Module):
                                                  dropout_p=attn_drop.p if self.training else 0.0)
         else:
             out = attn_drop(self.logits(q, k, bias).softmax(dim=-1)) @ v
-        return out if self.folded else out / 3.0
+        return out if self.folded else out / self.divisor
 
     def extra_repr(self) -> str:
         return f"s={self.s}, head_dim={self.head_dim}" + (", 1/3 folded into W_O" if self.folded else "")

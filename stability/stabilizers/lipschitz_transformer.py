@@ -60,7 +60,6 @@ from ..nn.constraints import orthogonal_rms_
 from ..nn.folded_scale import fold_input_scale
 from ..nn.l2_attention import L2MultiHeadAttention
 from ..nn.lipschitz_blocks import (
-    GELU_LIPSCHITZ,
     FlattenLinear,
     LipschitzDotKernel,
     MaxMin,
@@ -171,12 +170,12 @@ class LipschitzTransformer(Stabilizer):
         for module in backbone.modules():
             if (type(module) in (KernelAttention, KernelWindowAttention) and type(module.kernel) is LipschitzDotKernel
                     and type(module.proj) is nn.Linear and not module.kernel.folded):
-                fold_input_scale(module.proj, 1 / 3)
+                fold_input_scale(module.proj, 1 / module.kernel.divisor)
                 module.kernel.folded = True
             elif (type(module) is Mlp and type(module.act) is ScaledGELU and type(module.fc2) is nn.Linear
                   and type(module.drop1) in (nn.Dropout, nn.Identity) and type(module.norm) is nn.Identity
                   and not module.act.folded):
-                fold_input_scale(module.fc2, 1 / GELU_LIPSCHITZ)
+                fold_input_scale(module.fc2, 1 / module.act.divisor)
                 module.act.folded = True
 
     def _vit_sites(self, backbone: nn.Module):
