@@ -11,7 +11,9 @@ underestimates by 6–14%, at 0.49 ns a row — but two rows with the same norms
 layer at batch 256 is taken alone, forward and backward, ``--calls`` times back to back (a step's steady state, where
 the host issues ahead of the device): the residual stream's LayerNorm (float32 rows of 384, as autocast runs it), the
 suite's QK norm (a bf16 LayerNorm of q and of k, rows of a head's 64, strided views of the projection, normalised
-token-major as before a fused attention kernel), and LipsFormer's cosine normalisation of q and k (CUDA's fused
+token-major as before a fused attention kernel), LipsFormer's CenterNorm of the residual stream three ways (on
+LayerNorm's kernels, the module's path for float32; its backward written out, its path for bf16 from 16 MiB; autograd
+through the formula, what a compiled graph fuses), and LipsFormer's cosine normalisation of q and k (CUDA's fused
 RMSNorm, as the suite takes it eagerly on CUDA, and spelled out, as it takes it elsewhere). Each row: its norm rows,
 launches and bytes counted (on the CPU, through the stand-ins of CUDA's fused RMSNorm), the time each model predicts,
 and the time measured.
@@ -26,7 +28,8 @@ from common import CUT, arguments, interleaved, markdown, setup, write
 from step_cost import H200_TABLE, kept_counts, measured_table, table_model
 from torch import nn
 
-from stability.nn import cosine_attention
+from stability.nn import center_norm, cosine_attention
+from stability.nn.center_norm import CenterNorm
 from stability.nn.dot_attention import norm_for_fused_attention
 from stability.testing.fused_rms_norm import counted_as_on_cuda
 from stability.testing.gpu_model import FITTED, GpuModel, StepCounts, count
@@ -56,6 +59,7 @@ def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device)
     qkv.requires_grad_(True)
     residual_norm, q_norm, k_norm = nn.LayerNorm(dim).to(device), nn.LayerNorm(width).to(device), \
         nn.LayerNorm(width).to(device)
+    centre = CenterNorm(dim).to(device)
     kernel = cosine_attention.ScaledCosineKernel(heads).to(device)
     stream_grad = torch.randn(stream.shape, generator=generator, device=device)
     # token-major, as the fused attention kernel writes the gradient of the token-major queries the norms give it
@@ -63,7 +67,7 @@ def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device)
                             dtype=torch.bfloat16).transpose(1, 2)
 
     leaves = [stream, qkv, *residual_norm.parameters(), *q_norm.parameters(), *k_norm.parameters(),
-              *kernel.parameters()]
+              *kernel.parameters(), *centre.parameters()]
 
     def fresh():  # every call as a step's first: no gradient accumulated into an earlier call's (no `add_`)
         for leaf in leaves:
@@ -76,6 +80,18 @@ def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device)
     def residual():
         fresh()
         torch.autograd.backward(residual_norm(stream), stream_grad)
+
+    def centred(path: str):
+        def run():
+            fresh()
+            if path == "layer-norm":  # the module's own path for a float32 stream
+                out = centre(stream)
+            else:
+                weight = centre.weight * (dim / (dim - 1))
+                out = (center_norm.center_norm(stream, weight, centre.bias) if path == "written-out"
+                       else torch.addcmul(centre.bias, stream - stream.mean(-1, keepdim=True), weight))
+            torch.autograd.backward(out, stream_grad)
+        return run
 
     def qk_norm():
         fresh()
@@ -91,7 +107,11 @@ def cases(batch: int, tokens: int, heads: int, width: int, device: torch.device)
                                         [head_grad, head_grad])
         return run
 
-    return {"residual stream: LayerNorm (float32)": residual, "QK norm: LayerNorm of q and k (bf16)": qk_norm,
+    return {"residual stream: LayerNorm (float32)": residual,
+            "residual stream: CenterNorm on LayerNorm's kernels (float32)": centred("layer-norm"),
+            "residual stream: CenterNorm written out (float32)": centred("written-out"),
+            "residual stream: CenterNorm's formula (float32)": centred("formula"),
+            "QK norm: LayerNorm of q and k (bf16)": qk_norm,
             "cosine norm of q and k: fused RMSNorm (bf16)": cosine(True),
             "cosine norm of q and k: spelled out (bf16)": cosine(False)}
 

@@ -148,14 +148,18 @@ def test_matmul_rates_time_every_precision_at_every_shape(tmp_path):
 
 def test_norm_kernels_counts_each_norms_rows_and_prices_them_both_ways(tmp_path):
     """Each norm of a layer, forward and backward: CUDA's norm kernels counted by their rows (the residual stream's
-    LayerNorm one block a token each way, the QK norm's and the fused cosine norm's a block a head and token for q and
-    for k each way; the spelled-out cosine norm none, in more launches), both models' predictions and the measured
-    time's ratios to them; the CPU's note; ``--calls 0`` refused."""
+    LayerNorm, and CenterNorm on its kernels, one block a token each way, the QK norm's and the fused cosine norm's a
+    block a head and token for q and for k each way; the spelled-out cosine norm and CenterNorm's other paths none, in
+    more launches), both models' predictions and the measured time's ratios to them; the CPU's note; ``--calls 0``
+    refused."""
     text = run_benchmark("norm_kernels.py", tmp_path / "norms.md")
     rows = {row[0]: row for row in table_rows(text)}
     batch, tokens, heads, _ = (2, 17, 2, 8)  # norm_kernels.QUICK_SHAPE
     tokens_rows, head_rows = batch * tokens, batch * heads * tokens
     expected = {"residual stream: LayerNorm (float32)": 2 * tokens_rows,
+                "residual stream: CenterNorm on LayerNorm's kernels (float32)": 2 * tokens_rows,
+                "residual stream: CenterNorm written out (float32)": 0,
+                "residual stream: CenterNorm's formula (float32)": 0,
                 "QK norm: LayerNorm of q and k (bf16)": 4 * head_rows,
                 "cosine norm of q and k: fused RMSNorm (bf16)": 4 * head_rows,
                 "cosine norm of q and k: spelled out (bf16)": 0}
@@ -163,6 +167,12 @@ def test_norm_kernels_counts_each_norms_rows_and_prices_them_both_ways(tmp_path)
     fused = rows["cosine norm of q and k: fused RMSNorm (bf16)"]
     spelled = rows["cosine norm of q and k: spelled out (bf16)"]
     assert int(spelled[2]) > int(fused[2])  # the formula's operators, each a launch
+    # CenterNorm: LayerNorm's kernels move fewer bytes in fewer launches than its backward written out, and that
+    # fewer than autograd through the formula
+    centre = [rows[f"residual stream: CenterNorm {how} (float32)"] for how in ("on LayerNorm's kernels", "written out")]
+    centre.append(rows["residual stream: CenterNorm's formula (float32)"])
+    assert [int(row[2]) for row in centre] == sorted(int(row[2]) for row in centre)
+    assert float(centre[0][3]) < float(centre[1][3]) < float(centre[2][3])
     for row in rows.values():
         by_bytes, by_rows, measured = float(row[4]), float(row[5]), float(row[6])
         assert by_bytes > 0 and by_rows > 0 and measured > 0
@@ -206,7 +216,7 @@ def test_norm_kernels_cut_at_its_limit_writes_the_counts_it_finished(benchmark_m
     assert cut_main(norm_kernels.main) == 130
     text = out.read_text()
     rows = table_rows(text)
-    assert len(rows) == 4 and all(float(row[4]) > 0 and row[6] == "—" for row in rows)
+    assert len(rows) == 7 and all(float(row[4]) > 0 and row[6] == "—" for row in rows)
     assert "interrupted before a whole round was timed: counts and predictions only" in text
     out.write_text("an earlier table")
     benchmark_modules.CUT.clear()
@@ -323,18 +333,18 @@ def test_compiled_kernels_counts_the_compiled_networks_launches(tmp_path):
 
 def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(benchmark_modules, monkeypatch):
     """``compiled_kernels.py``'s eager columns take the size decisions of the GPU step they stand for (``--stands_for``,
-    256 tokens at batch 256 by default): LipsFormer's CenterNorms and residual scales, counted at 16 tokens and batch
-    4, take their written-out backwards (four launches fewer a norm, one a scale) where the step they stand for is
-    large enough, as ``step_cost.py --count`` does, and the Linear layers that write the branches take α into their
-    weights there; at scale 1 they keep the formula, and α ⊙ y after the product. (The compiled graphs, not generated
-    here, take the norms' formula and fold α into the weights at every size: ``test_center_norm``,
-    ``test_lipsformer``.)"""
+    256 tokens at batch 256 by default): LipsFormer's residual scales, counted at 16 tokens and batch 4, take their
+    written-out backwards (one launch fewer a scale) where the step they stand for is large enough, as ``step_cost.py
+    --count`` does, and the Linear layers that write the branches take α into their weights there; at scale 1 they
+    keep α ⊙ y after the product. Its CenterNorms (the float32 residual stream) take LayerNorm's kernels at every size.
+    (The compiled graphs, not generated here, take the norms' formula and fold α into the weights at every size:
+    ``test_center_norm``, ``test_lipsformer``.)"""
     import compiled_kernels
     import numpy as np
     import step_cost
 
     from stability.models.registry import PRESETS
-    from stability.nn import center_norm, channel_scale
+    from stability.nn import channel_scale
 
     monkeypatch.setattr(compiled_kernels, "generated_launches", lambda run, fresh=True: np.zeros(3))
     case = next(c for c in step_cost.CASES if c.label == "lipsformer")
@@ -348,21 +358,18 @@ def test_compiled_kernels_eager_counts_take_the_path_of_the_step_they_stand_for(
                 patch.setattr(LipsFormer, "after_prepare", lambda self, network: None)
             counts[folded] = [compiled_kernels.counts_at(case, "micro", 16, depth, "bf16", scale)
                               for scale in (1.0, 1e9)]
-    norms, scales = 2 * depth + 1, 2 * depth  # norms: two a block and the final one; residual scales: two a block
+    scales = 2 * depth  # residual scales: two a block
     (small, large), (small_folded, large_folded) = counts[False], counts[True]
-    # four launches fewer a norm, one a residual scale (its product written in bf16, no cast after it)
-    assert small["step"] - large["step"] == small["network"] - large["network"] == 4 * norms + scales
+    # one launch fewer a residual scale (its product written in bf16, no cast after it); the norms alike at both sizes
+    assert small["step"] - large["step"] == small["network"] - large["network"] == scales
     # folded: the small step's launches unchanged (α ⊙ y after the product), the large one's five a scale more
     # than the written-out α ⊙ y (the weight and bias scaled forward, their gradients and α's back)
     assert small_folded["step"] == small["step"] and large_folded["step"] - large["step"] == 5 * scales
     # the default: ViT-S's step at 256 tokens and batch 256, 1024 times the counted one (16 tokens, batch 4), whose
-    # norms (17 tokens × 384 wide, float32) and residual scales (bf16) it takes past their written-out backwards'
-    # thresholds
+    # residual scales (17 tokens × 384 wide, bf16) it takes past their written-out backwards' threshold
     tokens, batch, scale = compiled_kernels.stands_for_scale("256,256", 16)
     assert (tokens, batch) == (256, 256) and scale == 256 * 256 / (16 * compiled_kernels.BATCH) == 1024
-    counted_norm_bytes = compiled_kernels.BATCH * 17 * 384 * 4
-    assert counted_norm_bytes * scale >= center_norm.WRITTEN_OUT_FROM_BYTES > counted_norm_bytes
-    counted_branch_bytes = counted_norm_bytes // 2  # a residual scale's bf16 input
+    counted_branch_bytes = compiled_kernels.BATCH * 17 * 384 * 2  # a residual scale's bf16 input
     assert counted_branch_bytes * scale >= channel_scale.WRITTEN_OUT_FROM_BYTES > counted_branch_bytes
     for bad in ("256", "256,0", "a,b"):
         with pytest.raises(ValueError, match="two positive integers"):

@@ -1,7 +1,9 @@
-"""CenterNorm's written-out backward (stability/nn/center_norm.py) against autograd through its formula: in float64 to
-1e-10 and float32 to 1e-5, on its own and in LipsFormer on every backbone, both ways of taking the parameters'
-gradients (LayerNorm's fused kernel; a product and sums where a graph of the backward is kept), twice differentiated,
-under torch.func and under CUDA's autocast; planted errors fail; and it moves about half the bytes."""
+"""CenterNorm's fast paths (stability/nn/center_norm.py) against autograd through its formula, in float64 to 1e-10 and
+float32 to 1e-5, on their own and in LipsFormer on every backbone: LayerNorm's kernels with ε = 2^100 and γ·2^50
+(float32 and float64; rows of spread up to 10⁹, and past its exact range within CenterNorm's bound), the written-out
+backward (half precision; both ways of taking the parameters' gradients: LayerNorm's fused kernel, a product and sums
+where a graph of the backward is kept); twice differentiated, under torch.func and under CUDA's autocast; planted
+errors fail; each moves fewer bytes than autograd through the formula."""
 import pytest
 import torch
 from torch.func import grad, jacrev, vmap
@@ -182,11 +184,12 @@ def test_it_runs_on_meta_tensors():
     assert x.grad.shape == x.shape and norm.weight.grad.shape == (16,)
 
 
+@pytest.mark.parametrize("path", ["layer-norm", "written-out"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("backbone, size", [("vit", 8), ("swin", 16), ("cswin", 16)])
-def test_lipsformer_trains_with_the_gradients_of_the_formula(backbone, size, dtype, monkeypatch):
-    """A LipsFormer step's loss and every parameter's gradient, with the written-out backward and with autograd
-    through the formula (CenterNorm's function swapped for it), on each backbone."""
+def test_lipsformer_trains_with_the_gradients_of_the_formula(backbone, size, dtype, path, monkeypatch):
+    """A LipsFormer step's loss and every parameter's gradient, with each fast path (LayerNorm's kernels; the
+    written-out backward) and with autograd through the formula (both fast paths off), on each backbone."""
     def loss_and_gradients():
         torch.manual_seed(0)
         module = ImageClassifier(backbone=backbone, image_size=size, stabilizer="lipsformer").to(dtype).train()
@@ -198,25 +201,39 @@ def test_lipsformer_trains_with_the_gradients_of_the_formula(backbone, size, dty
 
     assert any(isinstance(m, CenterNorm) for m in
                ImageClassifier(backbone=backbone, image_size=size, stabilizer="lipsformer").modules())
-    monkeypatch.setattr(center_norm_module, "WRITTEN_OUT_FROM_BYTES", 0)  # every norm takes it, however small
-    calls, written_out = [], center_norm_module.center_norm
-    monkeypatch.setattr(center_norm_module, "center_norm", lambda *args: calls.append(1) or written_out(*args))
+    calls = []
+    if path == "layer-norm":
+        fast_path = center_norm_module.centred_by_layer_norm
+        monkeypatch.setattr(center_norm_module, "centred_by_layer_norm",
+                            lambda *args: calls.append(1) or fast_path(*args))
+    else:
+        monkeypatch.setattr(center_norm_module, "takes_layer_norm", lambda *args: False)
+        monkeypatch.setattr(center_norm_module, "WRITTEN_OUT_FROM_BYTES", 0)  # every norm takes it, however small
+        fast_path = center_norm_module.center_norm
+        monkeypatch.setattr(center_norm_module, "center_norm", lambda *args: calls.append(1) or fast_path(*args))
     fast = loss_and_gradients()
-    assert calls  # the written-out backward ran
+    assert calls  # the fast path ran
+    monkeypatch.setattr(center_norm_module, "takes_layer_norm", lambda *args: False)
     monkeypatch.setattr(center_norm_module, "center_norm", formula)
     assert_all_close(fast, loss_and_gradients(), TOLERANCE[dtype])
 
 
-def test_a_norm_takes_the_written_out_backward_from_16_mib_and_never_compiled(monkeypatch):
-    """The written-out backward costs the host more and the device less: a norm takes it from 16 MiB of input (a
-    ViT-S at 256 tokens holds 101 MB a norm at batch 256, 1.2 MB at batch 3), judged as ``sized_as`` says (a step
-    counted at batch 4 for batch 256), and never inside a compiled graph; below, autograd through the formula."""
-    def path(x):
-        norm = CenterNorm(x.shape[-1])
+def test_which_path_a_norm_takes(monkeypatch):
+    """float32 and float64 (x, γ and β of one dtype) take LayerNorm's kernels at every size; other inputs (bf16 or fp16,
+    or a bf16 x with float32 parameters) the written-out backward from 16 MiB of input (ViT-S at 256 tokens holds 101 MB
+    a norm at batch 256, 1.2 MB at batch 3), judged as ``sized_as`` says (a step counted at batch 4 for batch 256),
+    below that autograd through the formula; a compiled graph the formula always."""
+    def path(x, parameters=None):
+        norm = CenterNorm(x.shape[-1]).to(parameters or x.dtype)
         return type(norm(x.requires_grad_(True)).grad_fn).__name__
 
-    small, large = torch.randn(3, 257, 384), torch.randn(2**24 // (4 * 256), 256)  # 16 MiB exactly
+    for dtype in (torch.float32, torch.float64):
+        assert path(torch.randn(3, 5, 8, dtype=dtype)) == "NativeLayerNormBackward0"
+    assert path(torch.randn(3, 5, 8), torch.float64) == "AddcmulBackward0"
+    small = torch.randn(3, 257, 384, dtype=torch.bfloat16)
+    large = torch.randn(2**24 // (2 * 256), 256, dtype=torch.bfloat16)  # 16 MiB exactly
     assert (path(small), path(large)) == ("AddcmulBackward0", "_CenterNormBackward")
+    assert path(large, torch.float32) == "_CenterNormBackward"  # Swin's patch-embedding norm under autocast
     with center_norm_module.sized_as(256 / 3):
         assert path(small) == "_CenterNormBackward"
         with center_norm_module.sized_as(1.0):  # a nested scale replaces the outer one
@@ -231,6 +248,140 @@ def test_a_norm_takes_the_written_out_backward_from_16_mib_and_never_compiled(mo
     assert path(large[:-1]) == "AddcmulBackward0"  # one row under
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert path(large) == "AddcmulBackward0"
+    assert path(torch.randn(3, 5, 8)) == "AddcmulBackward0"
+
+
+def by_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """:func:`~stability.nn.center_norm.centred_by_layer_norm` with the weight as the formula's w (factor 1)."""
+    return center_norm_module.centred_by_layer_norm(x, weight, bias, 1.0)
+
+
+def spread_inputs(dtype: torch.dtype, spread: float, shape=(4, 6, 12)):
+    """:func:`inputs` whose rows have a standard deviation of about ``spread`` around a mean of about 3·spread."""
+    x, weight, bias, upstream = inputs(dtype, shape)
+    return 3 * spread + spread * (x - 3), weight, bias, upstream
+
+
+# the rows' spreads the LayerNorm path is tested at: float32 up to a standard deviation of 10⁹ (var ≈ 2^60), float64
+# up to 10⁶ (var ≈ 2^40): both within the ranges where its 1/σ is 2^-50 exactly (var < 2^76 and < 2^47)
+SPREADS = {torch.float32: (1.0, 1e5, 1e9), torch.float64: (1.0, 1e3, 1e6)}
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_layer_norms_kernels_compute_the_formula(dtype, create_graph):
+    """LayerNorm with ε = 2^100 and γ·2^50: the output and the gradients in x, γ and β equal autograd through the
+    formula, in float64 to 1e-10 and float32 to 1e-5 of each tensor's largest entry, on rows of spread 1 to 10⁹."""
+    for spread in SPREADS[dtype]:
+        args = spread_inputs(dtype, spread)
+        assert_all_close(outputs_and_gradients(by_layer_norm, *args, create_graph=create_graph),
+                         outputs_and_gradients(formula, *args), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("planted", ["plain-layer-norm", "smaller-epsilon", "no-weight-scale", "no-factor"])
+def test_a_planted_error_in_the_layer_norm_path_fails(planted, monkeypatch):
+    """LayerNorm's own ε (a LayerNorm), ε = 2^40 with γ·2^20 (its 1/σ no longer exact on float32 rows of spread 10⁵:
+    off by var/2^41 ≈ 2^-8), γ not scaled by 2^50, and D/(D−1) dropped: each fails."""
+    def check():
+        norm = CenterNorm(12)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(12, generator=torch.Generator().manual_seed(3)))
+        for spread in SPREADS[torch.float32]:
+            x = spread_inputs(torch.float32, spread)[0]
+            want = formula(x, norm.weight * (12 / 11), norm.bias).detach()
+            torch.testing.assert_close(norm(x).detach(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+    check()
+    real = torch.nn.functional.layer_norm
+
+    def layer_norm(x, shape, weight, bias, eps):
+        if planted == "plain-layer-norm":
+            return real(x, shape, weight / center_norm_module.LAYER_NORM_SCALE, bias)
+        if planted == "smaller-epsilon":
+            return real(x, shape, weight / 2.0 ** 30, bias, eps=2.0 ** 40)
+        if planted == "no-weight-scale":
+            return real(x, shape, weight / center_norm_module.LAYER_NORM_SCALE, bias, eps=eps)
+        return real(x, shape, weight * (11 / 12), bias, eps=eps)
+
+    monkeypatch.setattr(center_norm_module.F, "layer_norm", layer_norm)
+    with pytest.raises(AssertionError):
+        check()
+
+
+def test_layer_norms_kernels_twice_differentiable_and_under_torch_func():
+    """gradcheck and gradgradcheck (LayerNorm's double backward, the variance's terms zero to rounding), jacrev in x, γ
+    and β, and vmap of a gradient, against the formula in float64."""
+    x, weight, bias, _ = spread_inputs(torch.float64, 10.0, shape=(2, 3, 5))
+    leaves = tuple(t.clone().requires_grad_(True) for t in (x, weight, bias))
+    assert torch.autograd.gradcheck(by_layer_norm, leaves)
+    assert torch.autograd.gradgradcheck(by_layer_norm, leaves)
+    for argnums in (0, 1, 2):
+        torch.testing.assert_close(jacrev(by_layer_norm, argnums=argnums)(x, weight, bias),
+                                   jacrev(formula, argnums=argnums)(x, weight, bias), rtol=1e-10, atol=1e-12)
+
+    def loss(function):
+        return lambda w, rows: (function(rows, w, bias) ** 2).sum()
+
+    torch.testing.assert_close(vmap(grad(loss(by_layer_norm)), in_dims=(None, 0))(weight, x),
+                               vmap(grad(loss(formula)), in_dims=(None, 0))(weight, x), rtol=1e-10, atol=1e-12)
+
+
+def test_beyond_its_exact_range_the_layer_norm_path_stays_within_the_bound():
+    """Rows of standard deviation 2^55 (var 2^110, past float64's exact range): the function computed is CenterNorm
+    times (1 + var/2^100)^(-1/2), no longer CenterNorm, and its Jacobian's spectral norm (jacrev, exact SVD) is still at
+    most D/(D−1)·max|γ| (the docstring's proof); a LayerNorm (ε small) at the same rows is not: its 1/σ makes the
+    Jacobian tiny there but σ⁻¹ ≈ 1 rows break the bound, checked on a row of spread 10⁻²."""
+    norm = CenterNorm(7).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.0, -2.0, 0.5, 1.5, -0.3, 2.5, 1.0], dtype=torch.float64))
+    bound = norm.lipschitz()
+    for spread in (2.0 ** 55, 1.0, 1e-2):
+        x = spread * torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        jacobian = jacrev(norm)(x)
+        assert float(torch.linalg.matrix_norm(jacobian, ord=2)) <= bound * (1 + 1e-12)
+    far = 2.0 ** 55 * torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    assert float((norm(far) - formula(far, norm.weight * 7 / 6, norm.bias)).abs().max()) > 1e-3 * float(far.abs().max())
+    layer_norm = torch.nn.LayerNorm(7).double()
+    with torch.no_grad():
+        layer_norm.weight.copy_(norm.weight * 7 / 6)
+    near = 1e-2 * torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    assert float(torch.linalg.matrix_norm(jacrev(layer_norm)(near), ord=2)) > bound
+
+
+def test_the_layer_norm_path_under_autocast_and_on_meta_tensors():
+    """Under CUDA's bf16 autocast (emulated) and the CPU's, a float32 norm stays float32 and equals the formula to
+    1e-5; on ``meta`` tensors it runs forward and backward."""
+    norm = CenterNorm(64)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(5)))
+    x, _, _, upstream = inputs(torch.float32, shape=(4, 9, 64))
+    want = outputs_and_gradients(formula, x, norm.weight * (64 / 63), norm.bias, upstream)
+    for autocast in (cuda_autocast, lambda: torch.autocast("cpu", torch.bfloat16)):
+        leaf = x.clone().requires_grad_(True)
+        with autocast(), torch.autocast("cpu", torch.bfloat16):
+            out = norm(leaf)
+            gradients = torch.autograd.grad(out, (leaf, norm.weight, norm.bias), upstream)
+        assert out.dtype == torch.float32 and out.grad_fn.name() == "NativeLayerNormBackward0"
+        weight_gradient = gradients[1] * (63 / 64)  # the formula's w is γ·64/63
+        assert_all_close([out, gradients[0], weight_gradient, gradients[2]], want, 1e-5)
+    meta = CenterNorm(16).to("meta")
+    leaf = torch.empty(2, 5, 16, device="meta", requires_grad=True)
+    meta(leaf).sum().backward()
+    assert leaf.grad.shape == leaf.shape and meta.weight.grad.shape == (16,)
+
+
+def test_the_layer_norm_path_moves_fewer_bytes_than_the_written_out_backward():
+    """Counted as a GPU would run it, forward and backward: LayerNorm's kernels at most 7 passes over the input, where
+    the written-out backward takes 10 to 11 and autograd through the formula more than 20."""
+    x, weight, bias, upstream = inputs(torch.float32, shape=(8, 32, 64))
+
+    def counted(function):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, bias)]
+        return count(lambda: function(*leaves).backward(upstream))
+
+    layer_norm, written = counted(by_layer_norm), counted(center_norm)
+    assert layer_norm.bytes <= 7 * x.nbytes < 10 * x.nbytes <= written.bytes
+    assert layer_norm.launches < written.launches
 
 
 def test_it_moves_about_half_the_bytes_of_autograd_through_the_formula():
@@ -259,6 +410,29 @@ def test_on_a_gpu_the_written_out_backward_equals_the_formula(dtype):
     assert_all_close(got, want, TOLERANCE[dtype])
     with torch.autocast("cuda", torch.bfloat16):
         assert_all_close(outputs_and_gradients(center_norm, *args), want, TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_on_a_gpu_layer_norms_kernels_compute_the_formula(dtype):
+    """CUDA's LayerNorm kernels (its 1/σ from ``rsqrt``, whose error on 2^100 is what a wrong 2^-50 would show) with
+    ε = 2^100 and γ·2^50, in a CenterNorm module, plainly and under bf16 autocast, against the formula on the CPU, on
+    rows of spread 1 to 10⁹ (10⁶ in float64); float64 stays float64."""
+    norm = CenterNorm(384).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(384, generator=torch.Generator().manual_seed(5), dtype=dtype))
+    for spread in SPREADS[dtype]:
+        x, _, _, upstream = spread_inputs(dtype, spread, shape=(64, 197, 384))
+        want = outputs_and_gradients(formula, x, norm.weight * (384 / 383), norm.bias, upstream)
+        want[2] = want[2] * (384 / 383)  # γ's gradient: the formula's is w's, w = γ·384/383
+        for autocast in (False, True):
+            gpu = norm.cuda()
+            leaf = x.cuda().requires_grad_(True)
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                out = gpu(leaf)
+                got = [out, *torch.autograd.grad(out, (leaf, gpu.weight, gpu.bias), upstream.cuda())]
+            assert out.grad_fn.name() == "NativeLayerNormBackward0" and all(t.dtype == dtype for t in got)
+            assert_all_close([t.cpu() for t in got], want, TOLERANCE[dtype])
 
 
 @pytest.mark.gpu
