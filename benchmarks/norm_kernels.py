@@ -11,10 +11,12 @@ underestimates by 6–14%, at 0.49 ns a row — but two rows with the same norms
 layer at batch 256 is taken alone, forward and backward, ``--calls`` times back to back (a step's steady state, where
 the host issues ahead of the device): the residual stream's LayerNorm (float32 rows of 384, as autocast runs it), the
 suite's QK norm (a bf16 LayerNorm of q and of k, rows of a head's 64, strided views of the projection, normalised
-token-major as before a fused attention kernel), LipsFormer's CenterNorm of the residual stream three ways (on
-LayerNorm's kernels, the module's path for float32; its backward written out, its path for bf16 from 16 MiB; autograd
-through the formula, what a compiled graph fuses), and LipsFormer's cosine normalisation of q and k (CUDA's fused
-RMSNorm, as the suite takes it eagerly on CUDA, and spelled out, as it takes it elsewhere). Each row: its norm rows,
+token-major as before a fused attention kernel), LipsFormer's CenterNorm of the residual stream three ways, all in
+float32 (on LayerNorm's kernels, the module's path for float32; its backward written out, the path float32 took
+before, its parameters' gradients by LayerNorm's backward kernel, which bf16 takes from 16 MiB with a product and sums
+instead; eager autograd through the formula, where a compiled graph starts from), and LipsFormer's cosine
+normalisation of q and k (CUDA's fused RMSNorm, as the suite takes it eagerly on CUDA, and spelled out, as it takes it
+elsewhere). Each row: its norm rows,
 launches and bytes counted (on the CPU, through the stand-ins of CUDA's fused RMSNorm), the time each model predicts,
 and the time measured.
 """

@@ -1,9 +1,11 @@
 """CenterNorm's fast paths (stability/nn/center_norm.py) against autograd through its formula, in float64 to 1e-10 and
-float32 to 1e-5, on their own and in LipsFormer on every backbone: LayerNorm's kernels with ε = 2^100 and γ·2^50
-(float32 and float64; rows of spread up to 10⁹, and past its exact range within CenterNorm's bound), the written-out
+float32 to 1e-5, on their own and in LipsFormer on every backbone: LayerNorm's kernels with ε = s² and γ·s (float32
+and float64; rows of spread up to 10⁸, and past its exact range within CenterNorm's bound), the written-out
 backward (half precision; both ways of taking the parameters' gradients: LayerNorm's fused kernel, a product and sums
 where a graph of the backward is kept); twice differentiated, under torch.func and under CUDA's autocast; planted
 errors fail; each moves fewer bytes than autograd through the formula."""
+import copy
+
 import pytest
 import torch
 from torch.func import grad, jacrev, vmap
@@ -262,26 +264,67 @@ def spread_inputs(dtype: torch.dtype, spread: float, shape=(4, 6, 12)):
     return 3 * spread + spread * (x - 3), weight, bias, upstream
 
 
-# the rows' spreads the LayerNorm path is tested at: float32 up to a standard deviation of 10⁹ (var ≈ 2^60), float64
-# up to 10⁶ (var ≈ 2^40): both within the ranges where its 1/σ is 2^-50 exactly (var < 2^76 and < 2^47)
-SPREADS = {torch.float32: (1.0, 1e5, 1e9), torch.float64: (1.0, 1e3, 1e6)}
+# the rows' spreads the LayerNorm path is tested at: float32 up to a standard deviation of 10⁸ (var ≈ 2^53), float64
+# up to 10²⁰ (var ≈ 2^133): both within the ranges where its 1/σ is 1/s exactly (var < 2^56 and < 2^147)
+SPREADS = {torch.float32: (1.0, 1e4, 1e8), torch.float64: (1.0, 1e6, 1e20)}
 
 
 @pytest.mark.parametrize("create_graph", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_layer_norms_kernels_compute_the_formula(dtype, create_graph):
-    """LayerNorm with ε = 2^100 and γ·2^50: the output and the gradients in x, γ and β equal autograd through the
-    formula, in float64 to 1e-10 and float32 to 1e-5 of each tensor's largest entry, on rows of spread 1 to 10⁹."""
+    """LayerNorm with ε = s² and γ·s: the output and the gradients in x, γ and β equal autograd through the formula,
+    in float64 to 1e-10 and float32 to 1e-5 of each tensor's largest entry, on rows of spread 1 to 10⁸ (10²⁰ in
+    float64); with a graph of the backward kept, the second derivatives of ⟨∂x, v⟩ in x, γ and β too."""
     for spread in SPREADS[dtype]:
         args = spread_inputs(dtype, spread)
         assert_all_close(outputs_and_gradients(by_layer_norm, *args, create_graph=create_graph),
                          outputs_and_gradients(formula, *args), TOLERANCE[dtype])
+        if create_graph:  # ∂²/∂x² is zero for CenterNorm: held to the tolerance of the largest second derivative
+            want = second_derivatives(formula, *args)
+            largest = max(float(t.abs().max()) for t in want)
+            for got, wanted in zip(second_derivatives(by_layer_norm, *args), want, strict=True):
+                torch.testing.assert_close(got, wanted, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * largest)
+
+
+def second_derivatives(function, x, weight, bias, upstream):
+    """The gradients in x, γ and β of ⟨∂x, v⟩ (∂x the input's gradient for ``upstream``, v fixed): what the local
+    Lipschitz estimate's power iteration differentiates."""
+    x, weight, bias = (t.detach().clone().requires_grad_(True) for t in (x, weight, bias))
+    (grad_x,) = torch.autograd.grad(function(x, weight, bias), x, upstream, create_graph=True)
+    v = torch.randn(grad_x.shape, generator=torch.Generator().manual_seed(7), dtype=grad_x.dtype)
+    return torch.autograd.grad((grad_x * v).sum(), (x, weight, bias), allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("gradient_scale", [1e-20, 1e18])
+def test_layer_norms_kernels_keep_float32_gradients_far_from_one(gradient_scale):
+    """float32 upstream gradients of 10⁻²⁰ and 10¹⁸ (inside the range the scale s = 2^40 leaves them: γ's gradient
+    loses precision to subnormals below |g·(x − mean)| ≈ 10⁻²⁶): the gradients equal the formula's to 1e-5."""
+    x, weight, bias, upstream = inputs(torch.float32)
+    assert_all_close(outputs_and_gradients(by_layer_norm, x, weight, bias, upstream * gradient_scale),
+                     outputs_and_gradients(formula, x, weight, bias, upstream * gradient_scale), 1e-5)
+
+
+def test_its_one_over_sigma_is_one_over_s_exactly_where_the_docstring_says():
+    """The kernel's own 1/σ (``native_layer_norm``'s third output) is 1/s exactly on rows of variance up to 2^55 in
+    float32 and 2^146 in float64 (the claimed range: below 2^56 and 2^147), and not on float32 rows of variance 2^62."""
+    def one_over_sigma(dtype, spread):
+        x = spread * torch.randn(8, 64, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+        x = (x / x.std(-1, unbiased=False, keepdim=True) * spread).to(dtype)  # each row's variance spread²
+        scale = center_norm_module.LAYER_NORM_SCALE[dtype]
+        return torch.native_layer_norm(x, (64,), None, None, scale * scale)[2], 1 / scale
+
+    for dtype, spread in ((torch.float32, 1.0), (torch.float32, 2.0 ** 27.5), (torch.float64, 1.0),
+                          (torch.float64, 2.0 ** 73)):
+        got, want = one_over_sigma(dtype, spread)
+        assert bool((got == want).all()), (dtype, spread)
+    got, want = one_over_sigma(torch.float32, 2.0 ** 31)
+    assert not bool((got == want).all())
 
 
 @pytest.mark.parametrize("planted", ["plain-layer-norm", "smaller-epsilon", "no-weight-scale", "no-factor"])
 def test_a_planted_error_in_the_layer_norm_path_fails(planted, monkeypatch):
-    """LayerNorm's own ε (a LayerNorm), ε = 2^40 with γ·2^20 (its 1/σ no longer exact on float32 rows of spread 10⁵:
-    off by var/2^41 ≈ 2^-8), γ not scaled by 2^50, and D/(D−1) dropped: each fails."""
+    """LayerNorm's own ε (a LayerNorm), ε = 2^40 with γ·2^20 (its 1/σ no longer exact on float32 rows of spread 10⁴:
+    off by var/2^41 ≈ 2^-14), γ not scaled by s, and D/(D−1) dropped: each fails."""
     def check():
         norm = CenterNorm(12)
         with torch.no_grad():
@@ -293,14 +336,15 @@ def test_a_planted_error_in_the_layer_norm_path_fails(planted, monkeypatch):
 
     check()
     real = torch.nn.functional.layer_norm
+    scale = center_norm_module.LAYER_NORM_SCALE[torch.float32]
 
     def layer_norm(x, shape, weight, bias, eps):
         if planted == "plain-layer-norm":
-            return real(x, shape, weight / center_norm_module.LAYER_NORM_SCALE, bias)
+            return real(x, shape, weight / scale, bias)
         if planted == "smaller-epsilon":
-            return real(x, shape, weight / 2.0 ** 30, bias, eps=2.0 ** 40)
+            return real(x, shape, weight / scale * 2.0 ** 20, bias, eps=2.0 ** 40)
         if planted == "no-weight-scale":
-            return real(x, shape, weight / center_norm_module.LAYER_NORM_SCALE, bias, eps=eps)
+            return real(x, shape, weight / scale, bias, eps=eps)
         return real(x, shape, weight * (11 / 12), bias, eps=eps)
 
     monkeypatch.setattr(center_norm_module.F, "layer_norm", layer_norm)
@@ -326,36 +370,39 @@ def test_layer_norms_kernels_twice_differentiable_and_under_torch_func():
                                vmap(grad(loss(formula)), in_dims=(None, 0))(weight, x), rtol=1e-10, atol=1e-12)
 
 
-def test_beyond_its_exact_range_the_layer_norm_path_stays_within_the_bound():
-    """Rows of standard deviation 2^55 (var 2^110, past float64's exact range): the function computed is CenterNorm
-    times (1 + var/2^100)^(-1/2), no longer CenterNorm, and its Jacobian's spectral norm (jacrev, exact SVD) is still at
-    most D/(D−1)·max|γ| (the docstring's proof); a LayerNorm (ε small) at the same rows is not: its 1/σ makes the
-    Jacobian tiny there but σ⁻¹ ≈ 1 rows break the bound, checked on a row of spread 10⁻²."""
-    norm = CenterNorm(7).double()
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_beyond_its_exact_range_the_layer_norm_path_stays_within_the_bound(dtype):
+    """Rows whose variance is about s² (spread s: 2^40 in float32, 2^100 in float64), far past the exact range: the
+    function computed is CenterNorm times about 1/√2, no longer CenterNorm, and its Jacobian's spectral norm (jacrev,
+    exact SVD) is still at most D/(D−1)·max|γ| (the docstring's proof), as at spread 1."""
+    norm = CenterNorm(7).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.tensor([1.0, -2.0, 0.5, 1.5, -0.3, 2.5, 1.0], dtype=torch.float64))
-    bound = norm.lipschitz()
-    for spread in (2.0 ** 55, 1.0, 1e-2):
-        x = spread * torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-        jacobian = jacrev(norm)(x)
-        assert float(torch.linalg.matrix_norm(jacobian, ord=2)) <= bound * (1 + 1e-12)
-    far = 2.0 ** 55 * torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    assert float((norm(far) - formula(far, norm.weight * 7 / 6, norm.bias)).abs().max()) > 1e-3 * float(far.abs().max())
-    layer_norm = torch.nn.LayerNorm(7).double()
-    with torch.no_grad():
-        layer_norm.weight.copy_(norm.weight * 7 / 6)
-    near = 1e-2 * torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    assert float(torch.linalg.matrix_norm(jacrev(layer_norm)(near), ord=2)) > bound
+        norm.weight.copy_(torch.tensor([1.0, -2.0, 0.5, 1.5, -0.3, 2.5, 1.0], dtype=dtype))
+    bound, scale = norm.lipschitz(), center_norm_module.LAYER_NORM_SCALE[dtype]
+    norms = {}
+    for spread in (scale, 1.0):
+        x = spread * torch.randn(7, dtype=dtype, generator=torch.Generator().manual_seed(4))
+        norms[spread] = float(torch.linalg.matrix_norm(jacrev(norm)(x), ord=2))
+        assert norms[spread] <= bound * (1 + TOLERANCE[dtype])
+    assert norms[scale] < 0.9 * norms[1.0]  # the factor (1 + var/s²)^(-1/2) at work
+    far = scale * torch.randn(7, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    centred = formula(far, norm.weight * 7 / 6, norm.bias) - norm.bias
+    assert float((norm(far) - norm.bias - centred / 2 ** 0.5).abs().max()) < 0.25 * float(centred.abs().max())
 
 
-def test_the_layer_norm_path_under_autocast_and_on_meta_tensors():
+def test_the_layer_norm_path_under_autocast_and_on_meta_tensors(monkeypatch):
     """Under CUDA's bf16 autocast (emulated) and the CPU's, a float32 norm stays float32 and equals the formula to
-    1e-5; on ``meta`` tensors it runs forward and backward."""
+    1e-5, LayerNorm called with autocast off (whatever a torch's autocast lists say of it); on ``meta`` tensors it runs
+    forward and backward."""
     norm = CenterNorm(64)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(5)))
     x, _, _, upstream = inputs(torch.float32, shape=(4, 9, 64))
     want = outputs_and_gradients(formula, x, norm.weight * (64 / 63), norm.bias, upstream)
+    autocast_seen, real = [], torch.nn.functional.layer_norm
+    monkeypatch.setattr(center_norm_module.F, "layer_norm",
+                        lambda *args, **kwargs: autocast_seen.append(torch.is_autocast_enabled("cpu"))
+                        or real(*args, **kwargs))
     for autocast in (cuda_autocast, lambda: torch.autocast("cpu", torch.bfloat16)):
         leaf = x.clone().requires_grad_(True)
         with autocast(), torch.autocast("cpu", torch.bfloat16):
@@ -364,6 +411,7 @@ def test_the_layer_norm_path_under_autocast_and_on_meta_tensors():
         assert out.dtype == torch.float32 and out.grad_fn.name() == "NativeLayerNormBackward0"
         weight_gradient = gradients[1] * (63 / 64)  # the formula's w is γ·64/63
         assert_all_close([out, gradients[0], weight_gradient, gradients[2]], want, 1e-5)
+    assert autocast_seen == [False, False]
     meta = CenterNorm(16).to("meta")
     leaf = torch.empty(2, 5, 16, device="meta", requires_grad=True)
     meta(leaf).sum().backward()
@@ -415,18 +463,22 @@ def test_on_a_gpu_the_written_out_backward_equals_the_formula(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_on_a_gpu_layer_norms_kernels_compute_the_formula(dtype):
-    """CUDA's LayerNorm kernels (its 1/σ from ``rsqrt``, whose error on 2^100 is what a wrong 2^-50 would show) with
-    ε = 2^100 and γ·2^50, in a CenterNorm module, plainly and under bf16 autocast, against the formula on the CPU, on
-    rows of spread 1 to 10⁹ (10⁶ in float64); float64 stays float64."""
+    """CUDA's LayerNorm kernels with ε = s² and γ·s, in a CenterNorm module, plainly and under bf16 autocast, against
+    the formula on the CPU, on rows of spread 1 to 10⁸ (10²⁰ in float64); float64 stays float64. Their 1/σ comes from
+    CUDA's ``rsqrt`` (within 2 ulps, not correctly rounded): held here to 2 ulps of 1/s, which a wrong ε would miss by
+    far."""
     norm = CenterNorm(384).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(384, generator=torch.Generator().manual_seed(5), dtype=dtype))
+    gpu = copy.deepcopy(norm).cuda()
+    scale, ulp = center_norm_module.LAYER_NORM_SCALE[dtype], torch.finfo(dtype).eps
     for spread in SPREADS[dtype]:
         x, _, _, upstream = spread_inputs(dtype, spread, shape=(64, 197, 384))
+        one_over_sigma = torch.native_layer_norm(x.cuda(), (384,), None, None, scale * scale)[2]
+        assert float((one_over_sigma * scale - 1).abs().max()) <= 2 * ulp
         want = outputs_and_gradients(formula, x, norm.weight * (384 / 383), norm.bias, upstream)
         want[2] = want[2] * (384 / 383)  # γ's gradient: the formula's is w's, w = γ·384/383
         for autocast in (False, True):
-            gpu = norm.cuda()
             leaf = x.cuda().requires_grad_(True)
             with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 out = gpu(leaf)

@@ -7,8 +7,9 @@ diag(γ)·D/(D−1)·(I − 11ᵀ/D), so its Lipschitz constant is at most D/(D�
 projection I − 11ᵀ/D has norm 1), with equality when all |γ_i| are equal, as at init. With
 unequal γ the exact constant is ‖diag(γ)(I − 11ᵀ/D)‖₂·D/(D−1), which can be smaller.
 
-In eager mode a float32 or float64 CenterNorm runs as LayerNorm with ε = 2^100 and γ·2^50, whose 1/σ is then 2^-50
-exactly (:func:`centred_by_layer_norm`): CenterNorm's numbers on LayerNorm's fused kernels.
+In eager mode a float32 or float64 CenterNorm runs as LayerNorm with ε = s² and γ·s for a power of two s (2^40 in
+float32), whose 1/σ is then 1/s exactly (:func:`centred_by_layer_norm`): CenterNorm's numbers on LayerNorm's fused
+kernels.
 """
 from __future__ import annotations
 
@@ -110,32 +111,38 @@ def takes_layer_norm(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor) -
     return x.dtype == gamma.dtype == bias.dtype in FUSED_DTYPES
 
 
-# LayerNorm computes (x − mean(x))·r·γ + β with r = 1/√(var(x) + ε): with ε = 2^100 and γ scaled by 2^50, r is 2^-50
-# exactly wherever var(x) + 2^100 rounds to 2^100, and (x − mean(x))·2^-50·(γ·2^50) is CenterNorm's product
-# (:func:`centred_by_layer_norm`)
-LAYER_NORM_SCALE = 2.0 ** 50
+# LayerNorm computes (x − mean(x))·r·γ + β with r = 1/√(var(x) + ε): with ε = s² and γ scaled by s, a power of two,
+# r is 1/s exactly wherever var(x) + s² rounds to s², and (x − mean(x))·(1/s)·(γ·s) is CenterNorm's product
+# (:func:`centred_by_layer_norm`). float32: s = 2^40 balances the range where r is exact (var < 2^56) against the
+# gradients the scaled γ moves out of float32's range (CUDA's backward multiplies γ·s by the upstream gradient before
+# 1/s; γ's gradient takes (x − mean)·g·(1/s)); float64's range leaves room for s = 2^100.
+LAYER_NORM_SCALE = {torch.float32: 2.0 ** 40, torch.float64: 2.0 ** 100}
 
 
 def centred_by_layer_norm(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor, factor: float) -> torch.Tensor:
     """β + (x − mean(x)) ⊙ (γ·factor) over the last dimension by LayerNorm's fused kernels, forward and backward (2
     passes over x forward where mean, x − mean and an ``addcmul`` take 5; one C++ operator on the host where the
-    written-out backward calls five from Python): LayerNorm with ε = s² and weight γ·factor·s, s = 2^50,
+    written-out backward calls five from Python): LayerNorm with ε = s² and weight γ·factor·s (s =
+    ``LAYER_NORM_SCALE[x.dtype]``: 2^40 in float32, 2^100 in float64),
 
         LN(x) = (x − mean x)·γ·factor·s/√(var x + s²) + β = CN(x)·(1 + var x/s²)^(-1/2),
 
-    so r = 1/√(var x + s²) is s⁻¹ = 2^-50 exactly, and the result CenterNorm's, wherever var x + s² rounds to s²:
-    var x < 2^76 in float32, < 2^47 in float64 (a row's standard deviation below 2.7·10¹¹ or 1.2·10⁷). Beyond that
-    the factor (1 + var/s²)^(-1/2) ≤ 1 stays within the precision's rounding up to var ≈ 2^77 and 2^48, and everywhere
-    the function computed is within CenterNorm's Lipschitz bound: its Jacobian is
-    diag(γ·factor)·(1 + var/s²)^(-1/2)·(I − 11ᵀ/D − x̃x̃ᵀ/D) with x̃ = (x − mean x)/√(var x + s²) ⊥ 1 and
-    ‖x̃‖²/D < 1, of norm at most factor·max|γ|. The scaled weight γ·factor·s rounds as γ·factor does (s a power of
-    two); (x − mean x)·2^-50 leaves float32's normal range only where |x − mean x| < 2^-76, an absolute error below
-    2^-99·|γ|. x, γ and β in one dtype of float32 or float64 (bf16 and fp16 kernels keep their statistics in other
-    dtypes on the CPU and on CUDA), autocast off (the result in x's dtype, as the formula's). Its backward and double
-    backward are LayerNorm's, the variance's terms carrying the factor var/s²: zero to rounding."""
+    so its 1/σ is 1/s exactly, and the result CenterNorm's, wherever the variance the kernel computes stays below half
+    an ulp of s² — 2^56 in float32 (a row's standard deviation below 2.7·10⁸), 2^147 in float64 — and the scaled
+    weight rounds as γ·factor does. That variance is the kernel's: its rounding grows with the row's mean (CUDA's
+    Welford, the CPU's sums), and the CPU's float32 sums of squares overflow for |x| above about 10¹⁹ (a NaN where the
+    formula stays finite). Where the variance is finite but past that range the result is CenterNorm times
+    (1 + var/s²)^(-1/2) ≤ 1, whose Jacobian diag(γ·factor)·(1 + var/s²)^(-1/2)·(I − 11ᵀ/D − x̃x̃ᵀ/D), with
+    x̃ = (x − mean x)/√(var x + s²) ⊥ 1 and ‖x̃‖²/D < 1, has norm at most factor·max|γ|: CenterNorm's bound. Its backward
+    and double backward are LayerNorm's, whose variance terms carry var/s²: zero to rounding. In float32 the scale
+    bounds the gradients too (float64: none that matter): γ's gradient, Σ g·(x − mean)/s, loses precision to
+    float32's subnormals where |g·(x − mean)| < 2^-86 ≈ 10⁻²⁶, and CUDA's input gradient, formed from D·γ·s·g before
+    it is divided by s, overflows where |γ·g|·D > 2^88 ≈ 3·10²⁶ — all of them a far diverged or vanished run. x, γ and
+    β in one dtype of float32 or float64 (LayerNorm's bf16 and fp16 kernels keep their statistics in other dtypes on
+    the CPU and on CUDA), autocast off (the result in x's dtype, as the formula's)."""
+    scale = LAYER_NORM_SCALE[x.dtype]
     with autocast_off(x.device.type):
-        return F.layer_norm(x, (x.shape[-1],), gamma * (factor * LAYER_NORM_SCALE), bias,
-                            eps=LAYER_NORM_SCALE * LAYER_NORM_SCALE)
+        return F.layer_norm(x, (x.shape[-1],), gamma * (factor * scale), bias, eps=scale * scale)
 
 
 def center_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
