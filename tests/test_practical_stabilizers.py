@@ -15,6 +15,7 @@ from stability.callbacks import TrainingStability
 from stability.classifier import ImageClassifier
 from stability.data import Digits
 from stability.models import attention_sites, capture_attention, observe_attention_logits, without_dropout
+from stability.models.adapters import heads_of
 from stability.models.surgery import dot_product_kernels
 from stability.nn.precision import ieee_float32
 from stability.stabilizers import build_stabilizers
@@ -95,7 +96,7 @@ def test_qk_norms_before_a_fused_kernel_run_token_major_with_the_same_values_and
 
     def attend(head_major: bool):
         qkv = projected.clone().requires_grad_(True)
-        q, k, v = qkv.reshape(batch, tokens, 3, heads, width).permute(2, 0, 3, 1, 4)  # as KernelAttention makes them
+        q, k, v = heads_of(qkv, heads, width)  # as KernelAttention makes them
         if head_major:
             out = F.scaled_dot_product_attention(norm_in_dtype(kernel.q_norm, q), norm_in_dtype(kernel.k_norm, k), v,
                                                  scale=kernel.scale)
@@ -138,7 +139,7 @@ def test_the_norms_stay_head_major_where_sdpa_falls_back_to_its_math_path(monkey
     assert keeps_query_layout(cpu, 0.0, fixed) and keeps_query_layout(meta.bfloat16(), 0.0, fixed.to("meta"))
 
     monkeypatch.setattr(cosine_attention, "fused_norm_on", lambda device: True)  # LipsFormer's CUDA path
-    q, k, v = torch.randn(2, 9, 3, 3, 8).permute(2, 0, 3, 1, 4)  # views of a qkv projection, as KernelAttention's
+    q, k, v = heads_of(torch.randn(2, 9, 72), 3, 8)  # views of a qkv projection, as KernelAttention's
     for kernel in (DotProductKernel(8 ** -0.5, nn.LayerNorm(8), nn.LayerNorm(8)), ScaledCosineKernel(3)):
         received = []
         with monkeypatch.context() as patch:

@@ -18,6 +18,16 @@ import torch
 from torch import nn
 
 
+def heads_of(qkv: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B, h, N, d) of a fused projection's output (B, N, 3·h·d): the views timm's
+    ``reshape(B, N, 3, h, d).permute(2, 0, 3, 1, 4)`` gives, taken as ``unbind(2)`` of the (B, N, 3, h, d) view and
+    each transposed. The same tensors; their gradients are gathered by one ``stack`` along dim 2, already laid out as
+    the projection's output (B, N, 3·h·d), where timm's way stacks them head-major and copies the result back to the
+    projection's layout: a pass over the qkv gradient fewer (counted in tests/test_adapters.py)."""
+    b, n, _ = qkv.shape
+    return tuple(part.transpose(1, 2) for part in qkv.reshape(b, n, 3, heads, head_dim).unbind(2))
+
+
 class KernelAttention(nn.Module):
     """Replacement of timm's ViT ``Attention`` computing heads with ``kernel`` (e.g. SCSA); takes over
     its qkv and proj layers."""
@@ -33,7 +43,7 @@ class KernelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         b, n, _ = x.shape
-        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = heads_of(self.qkv(x), self.num_heads, self.head_dim)
         out = self.kernel(q, k, v, attn_mask, self.attn_drop, self.fused_attn)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, -1)))
 
@@ -56,7 +66,7 @@ class KernelWindowAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, n, c = x.shape
-        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = heads_of(self.qkv(x), self.num_heads, self.head_dim)
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         bias = bias.view(n, n, -1).permute(2, 0, 1).unsqueeze(0)  # (1, h, N, N)
         if mask is not None:
