@@ -72,3 +72,32 @@ def test_heads_of_gathers_the_gradient_in_one_pass():
     assert timm.ops["clone"] == 1 and "clone" not in ours.ops
     assert ours.launches == timm.launches - 1
     assert timm.bytes - ours.bytes == pytest.approx(2 * x.nbytes, rel=0.01)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_window_attention_with_a_head_width_other_than_dim_over_heads(masked):
+    """Swin's ``WindowAttention`` with head_dim 8 for a width of 16 and 4 heads (so 3·h·d = 96, not 3·16): the adapter
+    (head width from the projection, heads taken by ``heads_of``) equals timm's module, output and every gradient, in
+    float64, with and without a shift mask."""
+    from timm.models.swin_transformer import WindowAttention
+
+    from stability.models.adapters import KernelWindowAttention
+    from stability.nn.dot_attention import DotProductKernel
+
+    torch.manual_seed(0)
+    original = WindowAttention(16, num_heads=4, head_dim=8, window_size=2).double().eval()
+    adapter = KernelWindowAttention(original, DotProductKernel(original.scale)).eval()
+    x = torch.randn(6, 4, 16, dtype=torch.float64)  # 2 images × 3 windows of 2 × 2 tokens
+    mask = torch.zeros(3, 4, 4, dtype=torch.float64)
+    mask[1, :2, 2:] = mask[1, 2:, :2] = -100.0  # a shifted window's two regions
+    results = []
+    for module in (original, adapter):
+        leaf = x.clone().requires_grad_(True)
+        out = module(leaf, mask if masked else None)
+        parameters = [p for p in original.parameters()]
+        gradients = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum(),
+                                        [leaf, *parameters])
+        results.append([out, *gradients])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert adapter.head_dim == 8

@@ -1192,3 +1192,23 @@ def test_operator_bytes_splits_a_rows_difference_by_operator(benchmark_modules, 
     refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "operator_bytes.py"), str(counts),
                               "lipsformer"], capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode != 0 and "no row 'lipsformer'; its rows: none, row" in refused.stderr
+
+
+def test_center_norm_paths_times_both_paths_in_one_process(tmp_path, benchmark_modules):
+    """The paired LipsFormer step: the plain step and LipsFormer with CenterNorm on LayerNorm's kernels and on its
+    former path, each a ratio to the plain step; the former path is the formula (or the written-out backward), not
+    LayerNorm, and switching to it is undone after the step."""
+    from center_norm_paths import former_path
+
+    from stability.nn import center_norm
+    from stability.nn.center_norm import CenterNorm
+
+    text = run_benchmark("center_norm_paths.py", tmp_path / "paths.md")
+    rows = {row[0]: row for row in table_rows(text)}
+    assert list(rows) == ["none", "lipsformer: CenterNorm on LayerNorm's kernels",
+                          "lipsformer: CenterNorm's former path"]
+    assert rows["none"][2] == "1.00×" and all(float(row[1]) > 0 for row in rows.values())
+    norm, x = CenterNorm(8), torch.randn(2, 3, 8, requires_grad=True)
+    with former_path():
+        assert norm(x).grad_fn.name() == "AddcmulBackward0"
+    assert norm(x).grad_fn.name() == "NativeLayerNormBackward0" and center_norm.takes_layer_norm(x, x, x)

@@ -8,8 +8,8 @@ projection I − 11ᵀ/D has norm 1), with equality when all |γ_i| are equal, a
 unequal γ the exact constant is ‖diag(γ)(I − 11ᵀ/D)‖₂·D/(D−1), which can be smaller.
 
 In eager mode a float32 or float64 CenterNorm runs as LayerNorm with ε = s² and γ·s for a power of two s (2^40 in
-float32), whose 1/σ is then 1/s exactly (:func:`centred_by_layer_norm`): CenterNorm's numbers on LayerNorm's fused
-kernels.
+float32), whose 1/σ is then 1/s (exactly on the CPU; within 2 ulps from CUDA's ``rsqrt``): CenterNorm's numbers on
+LayerNorm's fused kernels (:func:`centred_by_layer_norm`).
 """
 from __future__ import annotations
 
@@ -127,7 +127,8 @@ def centred_by_layer_norm(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tens
 
         LN(x) = (x − mean x)·γ·factor·s/√(var x + s²) + β = CN(x)·(1 + var x/s²)^(-1/2),
 
-    so its 1/σ is 1/s exactly, and the result CenterNorm's, wherever the variance the kernel computes stays below half
+    so its 1/σ is 1/s (exactly on the CPU; CUDA's ``rsqrt`` is within 2 ulps, a rounding of float32's or float64's
+    order), and the result CenterNorm's, wherever the variance the kernel computes stays below half
     an ulp of s² — 2^56 in float32 (a row's standard deviation below 2.7·10⁸), 2^147 in float64 — and the scaled
     weight rounds as γ·factor does. That variance is the kernel's: its rounding grows with the row's mean (CUDA's
     Welford, the CPU's sums), and the CPU's float32 sums of squares overflow for |x| above about 10¹⁹ (a NaN where the
