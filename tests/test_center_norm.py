@@ -101,19 +101,23 @@ def test_wrong_statistics_in_the_fused_parameter_gradients_fail(monkeypatch):
         assert_all_close(outputs_and_gradients(center_norm, *args), outputs_and_gradients(formula, *args), 1e-10)
 
 
-def test_twice_differentiable_and_under_torch_func():
-    x, weight, bias, _ = inputs(torch.float64, shape=(2, 3, 5))
+@pytest.mark.parametrize("path", ["written-out", "layer-norm"])
+def test_twice_differentiable_and_under_torch_func(path):
+    """gradcheck and gradgradcheck (for LayerNorm's kernels: its double backward, the variance's terms zero to
+    rounding), jacrev in x, γ and β, and vmap of a gradient, against the formula in float64."""
+    function, spread = (center_norm, 1.0) if path == "written-out" else (by_layer_norm, 10.0)
+    x, weight, bias, _ = spread_inputs(torch.float64, spread, shape=(2, 3, 5))
     leaves = tuple(t.clone().requires_grad_(True) for t in (x, weight, bias))
-    assert torch.autograd.gradcheck(center_norm, leaves)
-    assert torch.autograd.gradgradcheck(center_norm, leaves)
+    assert torch.autograd.gradcheck(function, leaves)
+    assert torch.autograd.gradgradcheck(function, leaves)
     for argnums in (0, 1, 2):
-        torch.testing.assert_close(jacrev(center_norm, argnums=argnums)(x, weight, bias),
+        torch.testing.assert_close(jacrev(function, argnums=argnums)(x, weight, bias),
                                    jacrev(formula, argnums=argnums)(x, weight, bias), rtol=1e-10, atol=1e-12)
 
-    def loss(function):
-        return lambda w, rows: (function(rows, w, bias) ** 2).sum()
+    def loss(f):
+        return lambda w, rows: (f(rows, w, bias) ** 2).sum()
 
-    torch.testing.assert_close(vmap(grad(loss(center_norm)), in_dims=(None, 0))(weight, x),
+    torch.testing.assert_close(vmap(grad(loss(function)), in_dims=(None, 0))(weight, x),
                                vmap(grad(loss(formula)), in_dims=(None, 0))(weight, x), rtol=1e-10, atol=1e-12)
 
 
@@ -350,24 +354,6 @@ def test_a_planted_error_in_the_layer_norm_path_fails(planted, monkeypatch):
     monkeypatch.setattr(center_norm_module.F, "layer_norm", layer_norm)
     with pytest.raises(AssertionError):
         check()
-
-
-def test_layer_norms_kernels_twice_differentiable_and_under_torch_func():
-    """gradcheck and gradgradcheck (LayerNorm's double backward, the variance's terms zero to rounding), jacrev in x, γ
-    and β, and vmap of a gradient, against the formula in float64."""
-    x, weight, bias, _ = spread_inputs(torch.float64, 10.0, shape=(2, 3, 5))
-    leaves = tuple(t.clone().requires_grad_(True) for t in (x, weight, bias))
-    assert torch.autograd.gradcheck(by_layer_norm, leaves)
-    assert torch.autograd.gradgradcheck(by_layer_norm, leaves)
-    for argnums in (0, 1, 2):
-        torch.testing.assert_close(jacrev(by_layer_norm, argnums=argnums)(x, weight, bias),
-                                   jacrev(formula, argnums=argnums)(x, weight, bias), rtol=1e-10, atol=1e-12)
-
-    def loss(function):
-        return lambda w, rows: (function(rows, w, bias) ** 2).sum()
-
-    torch.testing.assert_close(vmap(grad(loss(by_layer_norm)), in_dims=(None, 0))(weight, x),
-                               vmap(grad(loss(formula)), in_dims=(None, 0))(weight, x), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
