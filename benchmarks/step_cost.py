@@ -173,6 +173,10 @@ def selected(cases: list[Case], only: tuple[str, ...], compiled: tuple[str, ...]
 
 def geometry(backbone: str, size: str, tokens: int) -> tuple[int, dict]:
     """Image size giving ``tokens`` first-stage tokens, and window / stripe options that fit it."""
+    if "patch_size" not in PRESETS.get(backbone, {}).get(size, {}):  # the transformers' presets
+        choices = ", ".join(f"{name}:{preset}" for name, presets in PRESETS.items() for preset, options in
+                            presets.items() if "patch_size" in options)
+        raise SystemExit(f"unknown backbone {backbone}:{size}; choose one of {choices}")
     side = math.isqrt(tokens)
     if side * side != tokens:
         raise SystemExit(f"--tokens {tokens}: need a square number of tokens")

@@ -1212,3 +1212,18 @@ def test_center_norm_paths_times_both_paths_in_one_process(tmp_path, benchmark_m
     with former_path():
         assert norm(x).grad_fn.name() == "AddcmulBackward0"
     assert norm(x).grad_fn.name() == "NativeLayerNormBackward0" and center_norm.takes_layer_norm(x, x, x)
+
+
+def test_step_geometry_refuses_unknown_backbones_by_name(benchmark_modules):
+    """An unknown backbone or size, or a preset without patches (the CNNs), is refused naming the transformers'
+    presets; a number of tokens that is not square, naming the number."""
+    import step_cost
+
+    assert step_cost.geometry("vit", "micro", 16)[0] == 4 * step_cost.PRESETS["vit"]["micro"]["patch_size"]
+    for backbone, size in (("vit", "huge"), ("vitt", "tiny"), ("lipcnn", "micro")):
+        with pytest.raises(SystemExit, match=rf"unknown backbone {backbone}:{size}; choose one of vit:micro, "
+                                             rf"vit:tiny, vit:small, swin:micro.*cswin:small$") as refused:
+            step_cost.geometry(backbone, size, 16)
+        assert "lipcnn" not in str(refused.value).split("choose one of")[1]
+    with pytest.raises(SystemExit, match="--tokens 50: need a square number"):
+        step_cost.geometry("vit", "micro", 50)
