@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 from common import arguments, interleaved, markdown, setup, write
-from step_cost import CASES, geometry, step_inputs
+from step_cost import CASES, check_shape, geometry, step_inputs
 
 from stability.nn import center_norm
 from stability.testing.profiling import train_step
@@ -60,12 +60,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="first-stage tokens (a square number; default 64)")
     p.add_argument("--backbone", default="vit:tiny", help="BACKBONE:SIZE (default vit:tiny)")
     args = p.parse_args()
-    device = setup(args)
-    if device.type != "cpu":
-        raise SystemExit("center_norm_paths.py times the CPU step (step_cost.py's CPU rows); --device cpu")
     backbone, _, size = args.backbone.partition(":")
     tokens, batch, repeats = (16, 4, 2) if args.quick else (args.tokens, BATCH, args.repeats)
     size = "micro" if args.quick else (size or "tiny")
+    check_shape(backbone, size, tokens)
+    device = setup(args)
+    if device.type != "cpu":
+        raise SystemExit("center_norm_paths.py times the CPU step (step_cost.py's CPU rows); --device cpu")
     seconds = interleaved(steps(backbone, size, tokens, batch), device, repeats)
     plain = seconds["none"]
     rows = [[name, 1e3 * value, f"{value / plain:.2f}×"] for name, value in seconds.items()]

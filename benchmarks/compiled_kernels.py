@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch._inductor.config as inductor_config
 from common import arguments, build_module, markdown, setup, train_step, write
-from step_cost import CASES, case_labels, geometry, put_weights_at_the_cap, selected
+from step_cost import CASES, case_labels, check_shape, geometry, put_weights_at_the_cap, selected
 from torch._inductor.graph import GraphLowering
 
 from stability.lipschitz import training_bound
@@ -415,9 +415,10 @@ def main() -> None:
         stands_tokens, stands_batch, scale = stands_for_scale(args.stands_for, args.tokens)
     except ValueError as error:
         p.error(str(error))
-    device = setup(args)
     if args.quick:
         args.size, args.cases = "micro", args.cases or "none;qk_norm"
+    check_shape("vit", args.size, args.tokens)
+    device = setup(args)
     only = case_labels(args.cases, "cases")
     depth = PRESETS["vit"][args.size]["depth"]
     rows, compiled_steps = [], {}

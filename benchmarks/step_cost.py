@@ -171,15 +171,22 @@ def selected(cases: list[Case], only: tuple[str, ...], compiled: tuple[str, ...]
     return [c for c in cases if c.label in wanted]
 
 
-def geometry(backbone: str, size: str, tokens: int) -> tuple[int, dict]:
-    """Image size giving ``tokens`` first-stage tokens, and window / stripe options that fit it."""
-    if "patch_size" not in PRESETS.get(backbone, {}).get(size, {}):  # the transformers' presets
+def check_shape(backbone: str, size: str, tokens: int) -> int:
+    """The side of the patch grid of ``tokens`` first-stage tokens of a transformer preset (a model with patches);
+    anything else is refused by name (SystemExit), before anything is measured."""
+    if "patch_size" not in PRESETS.get(backbone, {}).get(size, {}):
         choices = ", ".join(f"{name}:{preset}" for name, presets in PRESETS.items() for preset, options in
                             presets.items() if "patch_size" in options)
-        raise SystemExit(f"unknown backbone {backbone}:{size}; choose one of {choices}")
+        raise SystemExit(f"no transformer preset {backbone}:{size}; choose one of {choices}")
     side = math.isqrt(tokens)
     if side * side != tokens:
         raise SystemExit(f"--tokens {tokens}: need a square number of tokens")
+    return side
+
+
+def geometry(backbone: str, size: str, tokens: int) -> tuple[int, dict]:
+    """Image size giving ``tokens`` first-stage tokens, and window / stripe options that fit it."""
+    side = check_shape(backbone, size, tokens)
     image_size = side * PRESETS[backbone][size]["patch_size"]
     options = {}
     if backbone == "swin":
@@ -567,6 +574,7 @@ def count_main(args, precision: str) -> None:
     if backbone != "vit":
         raise SystemExit("--count: the model is counted on the ViT (the H200 table's backbone)")
     tokens = int(args.tokens.split(",")[0])
+    check_shape(backbone, size, tokens)
     cases = selected(CASES, label_list(args.cases))
     cache = Path(args.out).with_suffix(".json") if args.out else None
     key = f"{backbone}:{size}:{tokens}:{args.batch}:{precision}"
@@ -695,6 +703,8 @@ def main() -> None:
               for size in ([entry.partition(":")[2]] if ":" in entry else args.sizes.split(","))]
     shapes = [(precision, backbone, size, int(tokens)) for precision in precisions for backbone, size in models
               for tokens in args.tokens.split(",")]
+    for _, backbone, size, tokens in shapes:  # every shape before any is measured: a typo loses no finished row
+        check_shape(backbone, size, tokens)
     for done, (precision, backbone, size, tokens) in enumerate(shapes):
         shape, notes, profiles = f"{backbone}:{size}, {tokens} tokens, {precision}", len(CUT), len(sections)
         try:

@@ -1214,16 +1214,38 @@ def test_center_norm_paths_times_both_paths_in_one_process(tmp_path, benchmark_m
     assert norm(x).grad_fn.name() == "NativeLayerNormBackward0" and center_norm.takes_layer_norm(x, x, x)
 
 
-def test_step_geometry_refuses_unknown_backbones_by_name(benchmark_modules):
-    """An unknown backbone or size, or a preset without patches (the CNNs), is refused naming the transformers'
-    presets; a number of tokens that is not square, naming the number."""
+def test_step_shapes_are_checked_by_name_before_anything_is_measured(benchmark_modules, monkeypatch, tmp_path):
+    """Every transformer preset is taken (Swin with a window that fits); an unknown backbone or size, or a preset
+    without patches (the CNN and the hybrid), is refused naming the transformers' presets, and a number of tokens that
+    is not square naming the number — by step_cost.py before its first shape is measured, by compiled_kernels.py and
+    center_norm_paths.py before they start."""
     import step_cost
 
-    assert step_cost.geometry("vit", "micro", 16)[0] == 4 * step_cost.PRESETS["vit"]["micro"]["patch_size"]
-    for backbone, size in (("vit", "huge"), ("vitt", "tiny"), ("lipcnn", "micro")):
-        with pytest.raises(SystemExit, match=rf"unknown backbone {backbone}:{size}; choose one of vit:micro, "
-                                             rf"vit:tiny, vit:small, swin:micro.*cswin:small$") as refused:
+    from stability.models.registry import PRESETS
+
+    transformers = [f"{name}:{size}" for name in ("vit", "swin", "cswin") for size in PRESETS[name]]
+    for name_size in transformers:
+        name, size = name_size.split(":")
+        image_size, options = step_cost.geometry(name, size, 16)
+        assert image_size == 4 * PRESETS[name][size]["patch_size"]
+        assert options == ({"window_size": 2} if name == "swin" else {})
+    choices = ", ".join(transformers)
+    for backbone, size in (("vit", "huge"), ("vitt", "tiny"), ("lipcnn", "micro"), ("hybrid", "micro")):
+        with pytest.raises(SystemExit) as refused:
             step_cost.geometry(backbone, size, 16)
-        assert "lipcnn" not in str(refused.value).split("choose one of")[1]
+        assert str(refused.value) == f"no transformer preset {backbone}:{size}; choose one of {choices}"
     with pytest.raises(SystemExit, match="--tokens 50: need a square number"):
         step_cost.geometry("vit", "micro", 50)
+    measured = []
+    monkeypatch.setattr(step_cost, "measure", lambda *args, **kwargs: measured.append(args) or [])
+    monkeypatch.setattr(sys, "argv", ["step_cost.py", "--backbones", "vit:micro,swim:tiny", "--out",
+                                      str(tmp_path / "t.md")])
+    with pytest.raises(SystemExit, match="no transformer preset swim:tiny"):
+        step_cost.main()
+    assert measured == []
+    for script, arguments in (("compiled_kernels.py", ["--size", "huge"]),
+                              ("center_norm_paths.py", ["--backbone", "hybrid:micro"])):
+        refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *arguments,
+                                  "--out", str(tmp_path / "x.md")], capture_output=True, text=True, cwd=ROOT)
+        assert refused.returncode != 0 and "no transformer preset" in refused.stderr, refused.stderr[-500:]
+        assert "Traceback" not in refused.stderr
