@@ -44,12 +44,11 @@ class CenterNorm(nn.Module):
         where Inductor fuses the formula)."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"CenterNorm({self.dim}) got inputs of width {x.shape[-1]} (shape {tuple(x.shape)})")
-        if torch.compiler.is_compiling():
-            return _centred_and_scaled(x, self.weight * (self.dim / (self.dim - 1)), self.bias)[0]
-        if takes_layer_norm(x, self.weight, self.bias):
-            return centred_by_layer_norm(x, self.weight, self.bias, self.dim / (self.dim - 1))
-        weight = self.weight * (self.dim / (self.dim - 1))
-        if written_out(x):
+        factor, eager = self.dim / (self.dim - 1), not torch.compiler.is_compiling()
+        if eager and takes_layer_norm(x, self.weight, self.bias):
+            return centred_by_layer_norm(x, self.weight, self.bias, factor)
+        weight = self.weight * factor
+        if eager and written_out(x):
             return center_norm(x, weight, self.bias)
         return _centred_and_scaled(x, weight, self.bias)[0]
 
